@@ -1,0 +1,125 @@
+"""The one place that touches torch's private pipelining names.
+
+Supported torch range: ``>=2.13,<2.14`` (see ``SUPPORTED_TORCH``). Every private
+name below was checked against torch 2.13.0; a newer torch may move or change them,
+so the range is pinned and checked at import.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _defer_recv_ops,
+    _format_pipeline_order,
+    _validate_schedule,
+    _wait_batch_p2p,
+    _batch_p2p,
+    get_schedule_class,
+)
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+SUPPORTED_TORCH = (">=2.13", "<2.14")
+
+F = _ComputationType.FORWARD
+I = _ComputationType.BACKWARD_INPUT  # noqa: E741 - torch's own shorthand
+W = _ComputationType.BACKWARD_WEIGHT
+B = _ComputationType.FULL_BACKWARD
+OVERLAP_F_B = _ComputationType.OVERLAP_F_B
+SEND_F = _ComputationType.SEND_F
+RECV_F = _ComputationType.RECV_F
+SEND_B = _ComputationType.SEND_B
+RECV_B = _ComputationType.RECV_B
+UNSHARD = _ComputationType.UNSHARD
+RESHARD = _ComputationType.RESHARD
+REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+
+COMPUTE_TYPES = (F, I, W, B)
+
+
+def _check_torch_version() -> None:
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) != (2, 13):
+        raise ImportError(
+            f"titan_dualpipe supports torch {','.join(SUPPORTED_TORCH)} (it builds on "
+            f"torch's private pipelining runtime); found torch {torch.__version__}. "
+            "Install torch==2.13.*"
+        )
+
+
+_check_torch_version()
+
+
+class _ChainEndStage:
+    """Mixin: ``is_first`` / ``is_last`` follow the stage's own chain, not ``stage_index``.
+
+    torch assumes one chain ``0..num_stages-1``. DualPipe has two (one per direction),
+    so the last stage of direction 0 and the first stage of direction 1 sit in the
+    middle of the index range; every torch stage method keys input/loss handling on
+    these two properties, so overriding them is all torch needs.
+    """
+
+    _chain_first: bool
+    _chain_last: bool
+
+    @property
+    def is_first(self) -> bool:
+        return self._chain_first
+
+    @property
+    def is_last(self) -> bool:
+        return self._chain_last
+
+
+_CHAIN_END_CLASSES: dict[type, type] = {}
+
+
+def set_chain_ends(stage: _PipelineStageBase, *, first: bool, last: bool) -> None:
+    """Make ``stage`` report ``first``/``last`` for its chain (idempotent)."""
+    base = type(stage)
+    if not isinstance(stage, _ChainEndStage):
+        cls = _CHAIN_END_CLASSES.get(base)
+        if cls is None:
+            cls = type(f"ChainEnd{base.__name__}", (_ChainEndStage, base), {})
+            _CHAIN_END_CLASSES[base] = cls
+        stage.__class__ = cls
+    stage._chain_first = first  # type: ignore[attr-defined]
+    stage._chain_last = last  # type: ignore[attr-defined]
+
+
+def inference_mode_for(stage: PipelineStage, has_backward: bool) -> InferenceMode:
+    """The metadata-inference mode one stage would vote for."""
+    if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+        return InferenceMode.DYNAMIC
+    return InferenceMode.STATIC
+
+
+__all__ = [
+    "PipelineStage",
+    "InferenceMode",
+    "_Action",
+    "_ComputationType",
+    "_PipelineContext",
+    "_PipelineScheduleRuntime",
+    "_PipelineStageBase",
+    "_add_reduce_grad",
+    "_add_send_recv",
+    "_add_unshard_reshard",
+    "_defer_recv_ops",
+    "_format_pipeline_order",
+    "_validate_schedule",
+    "_wait_batch_p2p",
+    "_batch_p2p",
+    "get_schedule_class",
+    "set_chain_ends",
+    "inference_mode_for",
+    "SUPPORTED_TORCH",
+]

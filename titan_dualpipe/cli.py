@@ -1,0 +1,35 @@
+"""``titan-dualpipe`` / ``python -m titan_dualpipe``: one sub-command per module.
+
+Each module in ``COMMAND_MODULES`` defines ``add_parser(subparsers)`` and sets
+``func`` on its parser; heavy imports (torchtitan, matplotlib) stay inside ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "titan_dualpipe.orders.cli",  # csv
+    "titan_dualpipe.bench.cli",  # bench
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="titan-dualpipe", description="DualPipe / DualPipeV pipeline schedules for torch and torchtitan"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:
+        print(f"titan-dualpipe {args.command}: error: {err}", file=sys.stderr)
+        return 2

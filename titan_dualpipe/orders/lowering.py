@@ -1,0 +1,146 @@
+"""Validation and lowering of a compute order to the runtime's compute+comms order.
+
+Lowering = torch's own per-rank passes (``_add_unshard_reshard``, ``_add_reduce_grad``),
+then :func:`insert_send_recv`, a send/recv pass that follows the placement's chains
+(torch's ``_add_send_recv`` assumes one chain ``0..N-1`` and rejects DualPipe), then
+optionally torch's ``_defer_recv_ops``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from .._compat import (
+    B,
+    F,
+    I,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    _Action,
+    _add_reduce_grad,
+    _add_unshard_reshard,
+    _defer_recv_ops,
+    _format_pipeline_order,
+    _validate_schedule,
+)
+from .placement import Placement
+
+Order = dict[int, list[_Action]]
+
+
+def leaf_actions(action: _Action) -> tuple[_Action, ...]:
+    """The compute actions an entry stands for (both halves of an overlapped pair)."""
+    return action.sub_actions if action.sub_actions is not None else (action,)
+
+
+def validate_order(order: dict[int, list[_Action | None]], place: Placement) -> None:
+    """Raise ValueError (with the formatted order) unless ``order`` is a complete, valid schedule.
+
+    torch's validator checks per-stage counts and F-before-B/I-before-W; on top of that each
+    stage must run exactly its own microbatches on its own rank.
+    """
+    try:
+        stage_to_rank = _validate_schedule(
+            order, place.pp_size, place.num_stages, place.microbatches_per_stage()
+        )
+        for stage, rank in stage_to_rank.items():
+            if rank != place.rank_of(stage):
+                raise AssertionError(f"stage {stage} runs on rank {rank}, expected {place.rank_of(stage)}")
+        for rank, actions in order.items():
+            for action in filter(None, actions):
+                for leaf in leaf_actions(action):
+                    if leaf.microbatch_index not in place.microbatches(leaf.stage_index):
+                        raise AssertionError(
+                            f"rank {rank}: {leaf} runs microbatch {leaf.microbatch_index}, outside "
+                            f"stage {leaf.stage_index}'s {place.microbatches(leaf.stage_index)}"
+                        )
+    except AssertionError as err:
+        raise ValueError(
+            f"Invalid {place.schedule} order for pp={place.pp_size}, "
+            f"n_microbatches={place.n_microbatches}: {err}\n{_format_pipeline_order(order)}"
+        ) from None
+
+
+def _input_ready(action: _Action, done: set[_Action], place: Placement) -> bool:
+    """Whether ``action``'s input (activation or output grad) is available on its rank."""
+    stage, mb = action.stage_index, action.microbatch_index
+    if action.computation_type == F:
+        prev = place.prev_stage(stage)
+        return prev is None or _Action(stage, RECV_F, mb) in done or _Action(prev, F, mb) in done
+    if action.computation_type in (I, B):
+        nxt = place.next_stage(stage)
+        return nxt is None or any(a in done for a in (
+            _Action(stage, RECV_B, mb), _Action(nxt, I, mb), _Action(nxt, B, mb)))
+    return True
+
+
+def _comms_after(action: _Action, place: Placement) -> list[tuple[_Action, _Action, int]]:
+    """(send on this rank, matching recv, receiving rank) for a cross-rank output."""
+    stage, mb = action.stage_index, action.microbatch_index
+    if action.computation_type == F:
+        peer, send, recv = place.next_stage(stage), SEND_F, RECV_F
+    elif action.computation_type in (I, B):
+        peer, send, recv = place.prev_stage(stage), SEND_B, RECV_B
+    else:
+        return []
+    if peer is None or place.rank_of(peer) == place.rank_of(stage):
+        return []  # chain end, or same-rank neighbour: handed over in memory
+    return [(_Action(stage, send, mb), _Action(peer, recv, mb), place.rank_of(peer))]
+
+
+def insert_send_recv(order: dict[int, list[_Action]], place: Placement) -> Order:
+    """Add SEND/RECV actions: each send right after its producer, each recv posted on the
+    receiving rank at the same point of a global dry run (a rank only advances once its
+    next action's inputs are there), which orders every pair of ranks consistently."""
+    pending = {rank: deque(a for a in actions if a is not None) for rank, actions in order.items()}
+    lowered: Order = {rank: [] for rank in order}
+    done: dict[int, set[_Action]] = {rank: set() for rank in order}
+    while any(pending.values()):
+        progress = False
+        for rank in sorted(pending):
+            if not pending[rank]:
+                continue
+            action = pending[rank][0]
+            if not all(_input_ready(a, done[rank], place) for a in leaf_actions(action)):
+                continue
+            pending[rank].popleft()
+            lowered[rank].append(action)
+            progress = True
+            for leaf in leaf_actions(action):
+                done[rank].add(leaf)
+                for send, recv, peer_rank in _comms_after(leaf, place):
+                    lowered[rank].append(send)
+                    done[rank].add(send)
+                    lowered[peer_rank].append(recv)
+                    done[peer_rank].add(recv)
+        if not progress:
+            stuck = {rank: str(q[0]) for rank, q in pending.items() if q}
+            raise ValueError(
+                f"{place.schedule} order cannot run: every rank waits for an input that is never "
+                f"produced; next actions {stuck}\n{_format_pipeline_order(order)}"
+            )
+    return lowered
+
+
+def lower(
+    order: dict[int, list[_Action]], place: Placement, *, defer_recv: bool = False
+) -> Order:
+    """Compute-only order -> the compute+comms order the runtime executes."""
+    validate_order(order, place)
+    per_stage = place.microbatches_per_stage()
+    with_fsdp = {
+        rank: _add_reduce_grad(_add_unshard_reshard(list(actions)), per_stage)
+        for rank, actions in order.items()
+    }
+    lowered = insert_send_recv(with_fsdp, place)
+    if defer_recv:
+        lowered = _defer_recv_ops(lowered, stage_to_rank=place.rank_of)
+    return lowered
+
+
+def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
+    """The F/I/W/B leaves of a rank's order, pairs flattened, in execution order."""
+    return [leaf for a in actions if a is not None for leaf in leaf_actions(a) if leaf.is_compute_op]
