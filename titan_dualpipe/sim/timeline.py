@@ -1,0 +1,188 @@
+"""Timelines: per-rank action records, drawn as a picture or written as a Chrome/Perfetto trace.
+
+A timeline is a list of :class:`TimedAction` ``(rank, action, start, end)``; the simulator
+produces one, and a measured run can record the same shape. :func:`draw_timeline` needs
+matplotlib (``pip install 'titan_dualpipe[plot]'``); :func:`write_trace` needs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Iterable, NamedTuple
+
+from .._compat import B, F, I, OVERLAP_F_B, W, _Action
+from ..orders.lowering import leaf_actions
+
+StageDirection = Callable[[int], int]
+
+
+class TimedAction(NamedTuple):
+    """One action (an ``OVERLAP_F_B`` pair counts as one) that ran on ``rank`` from ``start`` to ``end``."""
+
+    rank: int
+    action: _Action
+    start: float
+    end: float
+
+
+def action_label(action: _Action) -> str:
+    """Short label: ``F3``, ``B5``, ``I2``, ``W2``; a pair is ``F3&B5``."""
+    return "&".join(f"{leaf.computation_type.value}{leaf.microbatch_index}" for leaf in leaf_actions(action))
+
+
+def action_kind(action: _Action) -> str:
+    """``F``, ``B``, ``I``, ``W`` or ``F&B`` for an overlapped pair."""
+    return "F&B" if action.computation_type == OVERLAP_F_B else action.computation_type.value
+
+
+# ---- Chrome / Perfetto trace -------------------------------------------------------------
+
+
+def trace_events(events: Iterable[TimedAction], us_per_unit: float = 1000.0) -> dict:
+    """The timeline as a Chrome trace object: one process per rank, one complete event per action.
+
+    ``us_per_unit`` converts the timeline's time unit to the trace's microseconds (1000: one
+    simulator unit shows as 1 ms; 1e6 for times in seconds).
+    """
+    events = list(events)
+    records: list[dict] = []
+    for rank in sorted({e.rank for e in events}):
+        records.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        records.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+    for e in sorted(events, key=lambda e: (e.rank, e.start)):
+        records.append({
+            "name": action_label(e.action),
+            "cat": action_kind(e.action),
+            "ph": "X",
+            "pid": e.rank,
+            "tid": 0,
+            "ts": e.start * us_per_unit,
+            "dur": (e.end - e.start) * us_per_unit,
+            "args": {"action": str(e.action), "stages": [leaf.stage_index for leaf in leaf_actions(e.action)]},
+        })
+    return {"traceEvents": records, "displayTimeUnit": "ms"}
+
+
+def write_trace(events: Iterable[TimedAction], path: str, us_per_unit: float = 1000.0) -> None:
+    """Write :func:`trace_events` as JSON (open it in ui.perfetto.dev or chrome://tracing)."""
+    with open(path, "w") as f:
+        json.dump(trace_events(events, us_per_unit), f)
+
+
+# ---- picture ------------------------------------------------------------------------------
+
+# (direction 0, direction 1) colours per leaf kind; direction 1 is a lighter shade.
+_COLOURS = {
+    F: ("#f29e4c", "#fbd5b0"),
+    B: ("#4c8bd6", "#b5d0f0"),
+    I: ("#3fae7a", "#b0e0c8"),
+    W: ("#9b6fc3", "#d9c6ea"),
+}
+_ROW_HEIGHT = 0.8
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError(
+            "drawing a schedule needs matplotlib: pip install 'titan_dualpipe[plot]' (or pip install matplotlib)."
+        ) from None
+    return plt
+
+
+def draw_timeline(
+    events: Iterable[TimedAction],
+    path: str,
+    title: str = "",
+    direction_of: StageDirection | None = None,
+    direction_label: str = "direction 1",
+    time_label: str = "time",
+) -> None:
+    """Draw one row per rank, time on x, one cell per action; write it to ``path`` (png, svg, pdf).
+
+    Cells are coloured by kind (F, B, I, W) with the microbatch inside; an overlapped pair is
+    one outlined box split into its F and B halves. ``direction_of(stage)`` (0 or 1) picks a
+    lighter, hatched shade for 1 (e.g. DualPipe's second chain: ``Placement.chain_of``),
+    named ``direction_label`` in the legend. Gaps are bubbles.
+    """
+    plt = _import_pyplot()
+    events = list(events)
+    if not events:
+        raise ValueError("the timeline is empty: nothing to draw.")
+    direction_of = direction_of or (lambda stage: 0)
+    ranks = sorted({e.rank for e in events})
+    start, end = min(e.start for e in events), max(e.end for e in events)
+    fig_width = min(60.0, max(8.0, 0.28 * len(events) / len(ranks) + 2))
+    fig, ax = plt.subplots(figsize=(fig_width, 0.55 * len(ranks) + 1.6))
+    font = _cell_font_size(events, fig_width, end - start)
+    for e in events:
+        _draw_action(ax, e, ranks.index(e.rank), direction_of, font)
+    _style_axes(ax, ranks, (start, end), title, time_label)
+    handles = _legend_handles(events, direction_of, direction_label)
+    legend_height = 0.45  # inches kept free under the axes for the legend
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def _style_axes(ax, ranks: list[int], span: tuple[float, float], title: str, time_label: str) -> None:
+    ax.set_xlim(*span)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel(time_label)
+    ax.set_title(title, fontsize=11)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def _legend_handles(events: list[TimedAction], direction_of: StageDirection, direction_label: str) -> list:
+    """Legend entries for what the picture shows, and nothing else."""
+    from matplotlib.patches import Patch
+
+    leaves = [leaf for e in events for leaf in leaf_actions(e.action)]
+    kinds = {leaf.computation_type for leaf in leaves}
+    handles = [Patch(facecolor=_COLOURS[k][0], edgecolor="black", label=k.value) for k in (F, B, I, W) if k in kinds]
+    if any(e.action.computation_type == OVERLAP_F_B for e in events):
+        handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2, label="F&B overlapped"))
+    if any(direction_of(leaf.stage_index) for leaf in leaves):
+        handles.append(Patch(facecolor=_COLOURS[F][1], edgecolor="grey", hatch="//", label=direction_label))
+    return handles
+
+
+def _cell_font_size(events: list[TimedAction], fig_width: float, span: float) -> float:
+    # A cell of the shortest single action should fit a two-digit label.
+    shortest = min((e.end - e.start) / len(leaf_actions(e.action)) for e in events)
+    inches = fig_width * 0.85 * shortest / span if span > 0 else 1.0
+    return max(4.0, min(9.0, inches * 72 / 1.9))
+
+
+def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection, font: float) -> None:
+    leaves = leaf_actions(event.action)
+    width = (event.end - event.start) / len(leaves)
+    top = row - _ROW_HEIGHT / 2
+    for i, leaf in enumerate(leaves):
+        direction = min(direction_of(leaf.stage_index), 1)
+        x = event.start + i * width
+        ax.add_patch(_cell(x, top, width, leaf, direction))
+        ax.text(x + width / 2, row, str(leaf.microbatch_index), ha="center", va="center", fontsize=font)
+    if len(leaves) > 1:
+        from matplotlib.patches import Rectangle
+
+        # Inset a little so two adjacent pairs keep separate outlines.
+        inset = 0.1 * width
+        ax.add_patch(Rectangle((event.start + inset, top), event.end - event.start - 2 * inset, _ROW_HEIGHT,
+                               fill=False, edgecolor="black", linewidth=1.8, zorder=3))
+
+
+def _cell(x: float, top: float, width: float, leaf: _Action, direction: int):
+    from matplotlib.patches import Rectangle
+
+    colour = _COLOURS.get(leaf.computation_type, ("#999999", "#dddddd"))[direction]
+    return Rectangle((x, top), width, _ROW_HEIGHT, facecolor=colour, edgecolor="white" if not direction else "grey",
+                     linewidth=0.6, hatch="//" if direction else None)
