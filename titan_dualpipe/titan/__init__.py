@@ -1,0 +1,34 @@
+"""torchtitan 0.2.2 adapter: importing this module registers DualPipeV and DualPipe.
+
+In a torchtitan TOML::
+
+    [experimental]
+    custom_import = "titan_dualpipe.titan"
+
+    [parallelism]
+    pipeline_parallel_schedule = "DualPipeV"   # or "DualPipe" (any case)
+
+Every other schedule name keeps torchtitan's own behaviour. Importing also
+
+- switches torchtitan to CPU / gloo when the machine has no accelerator (:mod:`.cpu`);
+- registers the shipped dataset ``titan_dualpipe_tiny`` (:mod:`.data`);
+- checks configs naming our schedules before the process group exists
+  (:mod:`.config_check`, via :mod:`.trainer_hooks`);
+- counts each DualPipe twin once in gradient-norm clipping (:mod:`.grad_clip`).
+
+``custom_import`` runs after torchtitan's own modules are imported and before the trainer
+reads the device type or creates the process group, which is what every patch here relies on.
+"""
+
+from __future__ import annotations
+
+from . import cpu, data, grad_clip, pipeline, trainer_hooks
+from .config_check import Plan, check_job_config, our_schedule
+
+CPU_MODE = cpu.enable()
+data.register_dataset()
+pipeline.install()
+grad_clip.install()
+trainer_hooks.install()
+
+__all__ = ["CPU_MODE", "Plan", "check_job_config", "our_schedule"]

@@ -1,0 +1,180 @@
+"""Check a torchtitan job config that names one of our schedules, before any collective.
+
+Every rank reads the same TOML and overrides, so every rank reaches the same verdict and
+raises the same ``ValueError`` before ``init_process_group``: a bad config stops the whole
+job at once instead of leaving some ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..orders.placement import canonical_name, check_requirements
+
+SCHEDULE_KEY = "[parallelism] pipeline_parallel_schedule"
+DEGREE_KEY = "[parallelism] pipeline_parallel_degree"
+BATCH_KEY = "[training] local_batch_size"
+MICROBATCH_KEY = "[parallelism] pipeline_parallel_microbatch_size"
+LAYERS_PER_STAGE_KEY = "[parallelism] pipeline_parallel_layers_per_stage"
+FQNS_KEY = "[parallelism] module_fqns_per_model_part"
+CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
+FIRST_LESS_KEY = "[parallelism] pipeline_parallel_first_stage_less_layers"
+LAST_LESS_KEY = "[parallelism] pipeline_parallel_last_stage_less_layers"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a valid config asks of our schedule."""
+
+    schedule: str  # "DualPipeV" or "DualPipe"
+    pp: int
+    n_microbatches: int
+
+    @property
+    def model_parts(self) -> int:
+        """DualPipeV splits the model into 2*pp parts; DualPipe into pp parts, each held twice."""
+        return self.pp if self.schedule == "DualPipe" else 2 * self.pp
+
+
+def our_schedule(name: str | None) -> str | None:
+    """Canonical name if ``name`` (any case) is one of ours, else None."""
+    try:
+        return canonical_name(name) if name else None
+    except ValueError:
+        return None
+
+
+def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | None:
+    """The plan for our schedule, None for any other schedule; ValueError for a bad config.
+
+    ``n_layers``: the model's layer count, for the stage-split checks (skipped when None).
+    """
+    par = job_config.parallelism
+    schedule = our_schedule(par.pipeline_parallel_schedule)
+    if schedule is None or par.pipeline_parallel_degree <= 1:
+        return None
+    pp = par.pipeline_parallel_degree
+    plan = Plan(schedule, pp, _microbatches(job_config, schedule))
+    _check_schedule_requirements(plan, job_config)
+    _check_split(plan, par, n_layers)
+    if par.pipeline_parallel_schedule_csv:
+        _check_csv(plan, par.pipeline_parallel_schedule_csv)
+    return plan
+
+
+def _microbatches(job_config: Any, schedule: str) -> int:
+    batch = job_config.training.local_batch_size
+    micro = job_config.parallelism.pipeline_parallel_microbatch_size
+    if micro < 1 or batch % micro:
+        raise ValueError(
+            f"{schedule}: {BATCH_KEY} = {batch} is not a multiple of {MICROBATCH_KEY} = {micro}; "
+            "set local_batch_size to a multiple of pipeline_parallel_microbatch_size."
+        )
+    return batch // micro
+
+
+def _check_schedule_requirements(plan: Plan, job_config: Any) -> None:
+    pp, n, name = plan.pp, plan.n_microbatches, plan.schedule
+    batch = job_config.training.local_batch_size
+    micro = job_config.parallelism.pipeline_parallel_microbatch_size
+    microbatch_keys = f"(microbatches = {BATCH_KEY} / {MICROBATCH_KEY} = {batch} / {micro})"
+    if name == "DualPipe" and pp % 2:
+        raise ValueError(
+            f"DualPipe needs an even {DEGREE_KEY}, got {pp}: set it to {max(pp - 1, 2)} or {pp + 1}, "
+            f'or set {SCHEDULE_KEY} = "DualPipeV", which runs on any pipeline degree.'
+        )
+    if name == "DualPipe" and n % 2:
+        raise ValueError(
+            f"DualPipe needs an even number of microbatches (half enter at each end), got {n} "
+            f"{microbatch_keys}: set local_batch_size to {(n + 1) * micro}."
+        )
+    if n < 2 * pp:
+        raise ValueError(
+            f"{name} needs at least 2 * {DEGREE_KEY} = {2 * pp} microbatches, got {n} {microbatch_keys}: "
+            f"raise local_batch_size to {2 * pp * micro} or more, lower pipeline_parallel_microbatch_size, "
+            "or lower pipeline_parallel_degree."
+        )
+    check_requirements(name, pp, n)  # the schedule's own rules; the checks above name the keys
+
+
+def _check_split(plan: Plan, par: Any, n_layers: int | None) -> None:
+    parts, name = plan.model_parts, plan.schedule
+    what = f"{parts} model parts ({'pipeline_parallel_degree' if name == 'DualPipe' else '2 * pipeline_parallel_degree'})"
+    fqns = par.module_fqns_per_model_part
+    if fqns is not None:
+        if len(fqns) != parts:
+            raise ValueError(
+                f"{name} with {DEGREE_KEY} = {plan.pp} needs {what}, but {FQNS_KEY} lists {len(fqns)}: "
+                f"give exactly {parts} lists of module names."
+            )
+        return
+    lps = par.pipeline_parallel_layers_per_stage
+    if lps is not None and name == "DualPipe":
+        raise ValueError(
+            f"DualPipe splits the model into {DEGREE_KEY} = {plan.pp} parts, each held by two ranks; "
+            f"{LAYERS_PER_STAGE_KEY} = {lps} does not apply: remove it (or list the parts in {FQNS_KEY})."
+        )
+    if n_layers is None:
+        return
+    first, last = par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers
+    if lps is not None:
+        stages = math.ceil((n_layers + first + last) / lps)
+        if stages != parts:
+            raise ValueError(
+                f"{name} needs {what}, but {LAYERS_PER_STAGE_KEY} = {lps} cuts the {n_layers}-layer model "
+                f"(+{first}+{last} for embeddings and output) into {stages}: remove it or set it to "
+                f"{math.ceil((n_layers + first + last) / parts)}."
+            )
+        return
+    _check_generated_split(plan, n_layers, first, last, what)
+
+
+def _check_generated_split(plan: Plan, n_layers: int, first: int, last: int, what: str) -> None:
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    try:
+        generate_llm_fqn_per_model_part(plan.model_parts, n_layers, first, last)
+    except ValueError as err:
+        raise ValueError(
+            f"{plan.schedule} with {DEGREE_KEY} = {plan.pp} needs {what} of a {n_layers}-layer model: {err} "
+            f"Lower pipeline_parallel_degree, lower {FIRST_LESS_KEY} / {LAST_LESS_KEY}, "
+            f"or list the parts in {FQNS_KEY}."
+        ) from None
+
+
+def _check_csv(plan: Plan, path: str) -> None:
+    """The CSV must be an order for this schedule, pipeline degree and microbatch count."""
+    from ..orders.csv_io import load_csv
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{CSV_KEY} = {path!r} is not a file (relative paths start at the working directory).")
+    try:
+        order = load_csv(path)
+    except Exception as err:  # noqa: BLE001 - any parse failure is a bad file
+        raise ValueError(f"{CSV_KEY} = {path!r} is not a torch pipelining CSV: {err}") from None
+    ranks = len(order)
+    compute = [a for acts in order.values() for a in acts if a is not None]
+    leaves = [sub for a in compute for sub in (a.sub_actions or (a,))]
+    stages = {a.stage_index for a in leaves}
+    mbs = {a.microbatch_index for a in leaves if a.microbatch_index is not None}
+    misplaced = sorted(
+        {(rank, sub.stage_index) for rank, acts in order.items() for a in acts if a is not None
+         for sub in (a.sub_actions or (a,)) if sub.stage_index not in (rank, 2 * plan.pp - 1 - rank)}
+    )
+    problem = ""
+    if ranks != plan.pp:
+        problem = f"it has {ranks} rows (ranks), {DEGREE_KEY} = {plan.pp}"
+    elif mbs and max(mbs) + 1 != plan.n_microbatches:
+        problem = f"it covers {max(mbs) + 1} microbatches, the config has {plan.n_microbatches} ({BATCH_KEY} / {MICROBATCH_KEY})"
+    elif stages - set(range(2 * plan.pp)):
+        problem = f"it uses stage ids {sorted(stages)}, {plan.schedule} with pp={plan.pp} has 0..{2 * plan.pp - 1}"
+    elif misplaced:
+        problem = f"(rank, stage) pairs {misplaced[:4]} break the V placement (rank r runs stages r and 2*pp-1-r)"
+    if problem:
+        raise ValueError(
+            f"{CSV_KEY} = {path!r} does not fit this config: {problem}. Write a matching one with "
+            f"`titan-dualpipe csv --schedule {plan.schedule} --pp {plan.pp} --microbatches {plan.n_microbatches} -o FILE`."
+        )

@@ -1,0 +1,94 @@
+"""CPU mode: let torchtitan 0.2.2 train with gloo on a machine without an accelerator.
+
+torchtitan assumes an accelerator. Three things break without one, each fixed here:
+
+1. ``tools/utils.py`` picks ``device_type = _get_available_device_type() or "cuda"``, and
+   several modules copy ``device_type`` / ``device_module`` at import. We set ``"cpu"`` (gloo
+   backend, CPU device mesh, CPU tensors) in each of those modules.
+2. The memory monitor calls CUDA-only device-module functions (``get_device_name``,
+   ``get_device_properties``, ``memory_stats``, ...). :class:`CpuDeviceModule` supplies them
+   from the OS: the reported peak memory is the process's peak resident set size.
+3. ``set_pg_timeouts`` calls ``barrier(device_ids=[device_module.current_device()])``;
+   ``torch.cpu.current_device()`` returns the string ``"cpu"``, which is not a device id.
+   ``CpuDeviceModule.current_device()`` returns index 0.
+
+:func:`enable` does nothing when an accelerator is present (``torch._utils.
+_get_available_device_type()`` is not None), so GPU runs are unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+# torchtitan modules that bind device_type / device_module at import time.
+_DEVICE_TYPE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+)
+_DEVICE_MODULE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.utils",
+    "torchtitan.tools.profiling",
+)
+
+
+class CpuDeviceModule:
+    """``torch.cpu`` plus the device-module functions torchtitan's memory monitor calls."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return platform.processor() or platform.machine() or "CPU"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> SimpleNamespace:
+        return SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        """Peak RSS cannot be reset; the reported figure is the process peak."""
+
+    @staticmethod
+    def empty_cache() -> None:
+        """The CPU allocator keeps no cache to release."""
+
+
+def accelerator_present() -> bool:
+    return torch._utils._get_available_device_type() is not None
+
+
+def enable() -> bool:
+    """Switch torchtitan to CPU when no accelerator is present; return whether it did."""
+    if accelerator_present():
+        return False
+    device_module = CpuDeviceModule()
+    for name in _DEVICE_TYPE_MODULES:
+        importlib.import_module(name).device_type = "cpu"
+    for name in _DEVICE_MODULE_MODULES:
+        importlib.import_module(name).device_module = device_module
+    utils = importlib.import_module("torchtitan.tools.utils")
+    utils.get_device_info = lambda: ("cpu", device_module)
+    return True

@@ -1,0 +1,96 @@
+"""``titan-dualpipe train CONFIG.toml --nproc N [torchtitan overrides...]``.
+
+Starts ``N`` local processes the way ``torchrun --standalone`` does (it calls
+``torch.distributed.run``) and runs torchtitan's trainer with titan_dualpipe loaded in each.
+Arguments that are not this command's own go to torchtitan, e.g. ``--training.steps 20``.
+Multi-node clusters use ``torchrun`` directly (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+WORKER_MODULE = "titan_dualpipe.titan.train"
+
+
+_OPTIONS: dict[str, dict] = {
+    "--nproc": dict(type=int, default=None, help="number of processes (one per GPU; on CPU any number)"),
+    "--log-ranks": dict(
+        default="0", help='comma-separated ranks whose output is shown, or "all" (default: 0; every rank logs the loss)'
+    ),
+    "--master-port": dict(type=int, default=None, help="rendezvous port (default: a free one)"),
+}
+
+
+def _add_options(parser: argparse.ArgumentParser, with_defaults: bool = True) -> argparse.ArgumentParser:
+    for flag, spec in _OPTIONS.items():
+        parser.add_argument(flag, **(spec if with_defaults else {**spec, "default": argparse.SUPPRESS}))
+    return parser
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train with torchtitan on N local processes (DualPipe / DualPipeV available by name)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="torchtitan TOML, e.g. train_configs/debug_dualpipev.toml")
+    _add_options(p)
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan overrides, e.g. --training.steps 20")
+    p.set_defaults(func=run)
+
+
+def split_arguments(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
+    """Our options may also follow CONFIG, where the remainder swallowed them: take them back."""
+    late, rest = _add_options(argparse.ArgumentParser(add_help=False), with_defaults=False).parse_known_args(
+        args.overrides
+    )
+    for key, value in vars(late).items():
+        setattr(args, key, value)
+    return args, rest
+
+
+def torchrun_argv(config: str, nproc: int, log_ranks: str, overrides: list[str], port: int | None) -> list[str]:
+    rendezvous = ["--standalone"] if port is None else ["--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{port}"]
+    argv = [*rendezvous, "--nnodes", "1", "--nproc-per-node", str(nproc)]
+    if log_ranks != "all":
+        argv += ["--local-ranks-filter", log_ranks]
+    return [*argv, "-m", WORKER_MODULE, "--job.config_file", config, *overrides]
+
+
+def _check(config: str, nproc: int | None, log_ranks: str) -> None:
+    if not Path(config).is_file():
+        raise ValueError(f"config {config!r} is not a file (relative paths start at {os.getcwd()})")
+    if nproc is None or nproc < 1:
+        raise ValueError(f"--nproc must be a positive number of processes, got {nproc}")
+    if log_ranks != "all":
+        ranks = log_ranks.split(",")
+        if not all(r.isdigit() and int(r) < nproc for r in ranks):
+            raise ValueError(f"--log-ranks {log_ranks!r}: give ranks below --nproc {nproc}, comma-separated, or 'all'")
+
+
+def run(args: argparse.Namespace) -> int:
+    args, overrides = split_arguments(args)
+    _check(args.config, args.nproc, args.log_ranks)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run as torchrun
+
+    argv = torchrun_argv(args.config, args.nproc, args.log_ranks, overrides, args.master_port)
+    os.environ["LOG_RANK"] = ",".join(str(r) for r in range(args.nproc)) if args.log_ranks == "all" else args.log_ranks
+    try:
+        torchrun(get_args_parser().parse_args(argv))
+    except ChildFailedError as err:
+        print(f"titan-dualpipe train: {len(err.failures)} process(es) failed; first error:\n{_first_error(err)}")
+        return 1
+    return 0
+
+
+def _first_error(err: object) -> str:
+    failures = getattr(err, "failures", {})
+    if not failures:
+        return str(err)
+    first = failures[min(failures)]
+    return str(getattr(first, "message", first))

@@ -1,0 +1,126 @@
+"""Our schedules inside torchtitan's pipeline builder (``torchtitan.distributed.pipeline_parallel``).
+
+``pipeline_llm`` (every LLM's ``pipelining_fn``) looks these module-level names up at call
+time, so replacing them redirects it for our two schedule names and leaves every other
+name on torchtitan's own code path:
+
+- ``get_schedule_class``: "DualPipeV" / "DualPipe" (any case) -> our classes (torch's map is
+  closed, and torch's own "DualPipeV" would otherwise win).
+- ``generate_llm_fqn_per_model_part``: DualPipe splits the model into ``pp`` parts, not the
+  ``2*pp`` stages ``pipeline_llm`` counts.
+- ``pipeline_module_split``: torchtitan picks the V placement by class identity with torch's
+  classes, so ours ask for it by the name of torch's V schedule. DualPipe lists its ``pp``
+  parts twice: stage ``pp+j`` holds part ``j`` (on rank ``pp-1-j``), same module names.
+- ``build_pipeline_schedule``: builds our class directly, so torchtitan's threaded
+  ``OVERLAP_F_B`` callback (GPU-only, tied to torch's ``ScheduleDualPipeV``) is never
+  registered on it, and a CSV order is loaded by our class, whose lowering knows both chains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .config_check import Plan, our_schedule
+
+V_STYLE_NAME = "ZBVZeroBubble"  # a torch schedule torchtitan places in a V
+
+
+@dataclass
+class ActiveRun:
+    """This process's pipeline: set when the config is checked, filled as it is built."""
+
+    plan: Plan | None = None
+    stages: list[Any] = field(default_factory=list)
+    schedule: Any = None
+
+
+ACTIVE = ActiveRun()
+
+
+def schedule_class(name: str) -> type:
+    from .. import ScheduleDualPipe, ScheduleDualPipeV
+
+    return {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}[name]
+
+
+def make_get_schedule_class(original: Callable[[str], type]) -> Callable[[str], type]:
+    def get_schedule_class(schedule_name: str) -> type:
+        ours = our_schedule(schedule_name)
+        return schedule_class(ours) if ours else original(schedule_name)
+
+    return get_schedule_class
+
+
+def make_generate_fqns(original: Callable[..., list[list[str]]]) -> Callable[..., list[list[str]]]:
+    def generate_llm_fqn_per_model_part(
+        num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1
+    ) -> list[list[str]]:
+        plan = ACTIVE.plan
+        if plan is not None and plan.schedule == "DualPipe" and num_stages == 2 * plan.pp:
+            num_stages = plan.pp
+        return original(num_stages, num_layers, input_weight, output_weight)
+
+    return generate_llm_fqn_per_model_part
+
+
+def make_module_split(original: Callable[..., tuple[list, list]]) -> Callable[..., tuple[list, list]]:
+    def pipeline_module_split(
+        whole_model: Any, pp_mesh: Any, pp_schedule: str, device: Any, module_names_per_stage: list[list[str]]
+    ) -> tuple[list, list]:
+        ours = our_schedule(pp_schedule)
+        if ours is None:
+            return original(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage)
+        per_stage = stage_module_names(ours, pp_mesh.size(), module_names_per_stage)
+        stages, models = original(whole_model, pp_mesh, V_STYLE_NAME, device, per_stage)
+        ACTIVE.stages = stages
+        return stages, models
+
+    return pipeline_module_split
+
+
+def stage_module_names(schedule: str, pp: int, parts: list[list[str]]) -> list[list[str]]:
+    """Module names of stage ``0..2pp-1``, from the model parts of ``schedule``."""
+    expected = pp if schedule == "DualPipe" else 2 * pp
+    if len(parts) != expected:
+        raise ValueError(
+            f"{schedule} with pipeline_parallel_degree={pp} needs {expected} model parts, got {len(parts)} "
+            "([parallelism] module_fqns_per_model_part)."
+        )
+    return [*parts, *parts] if schedule == "DualPipe" else list(parts)
+
+
+def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    def build_pipeline_schedule(job_config: Any, stages: list, loss_fn: Callable) -> Any:
+        par = job_config.parallelism
+        ours = our_schedule(par.pipeline_parallel_schedule)
+        if ours is None or par.pipeline_parallel_degree <= 1:
+            return original(job_config, stages, loss_fn)
+        from torchtitan.tools.logging import logger
+
+        n = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
+        # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
+        schedule = schedule_class(ours)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+        if par.pipeline_parallel_schedule_csv:
+            schedule._load_csv(par.pipeline_parallel_schedule_csv)
+        logger.info(
+            f"Using titan_dualpipe {ours} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
+            + (f" from {par.pipeline_parallel_schedule_csv}" if par.pipeline_parallel_schedule_csv else "")
+        )
+        ACTIVE.schedule = schedule
+        return schedule
+
+    return build_pipeline_schedule
+
+
+def install() -> None:
+    """Replace the four names in torchtitan's pipeline module (idempotent)."""
+    from torchtitan.distributed import pipeline_parallel as pp_mod
+
+    if getattr(pp_mod, "_titan_dualpipe_installed", False):
+        return
+    pp_mod.get_schedule_class = make_get_schedule_class(pp_mod.get_schedule_class)
+    pp_mod.generate_llm_fqn_per_model_part = make_generate_fqns(pp_mod.generate_llm_fqn_per_model_part)
+    pp_mod.pipeline_module_split = make_module_split(pp_mod.pipeline_module_split)
+    pp_mod.build_pipeline_schedule = make_build_schedule(pp_mod.build_pipeline_schedule)
+    pp_mod._titan_dualpipe_installed = True

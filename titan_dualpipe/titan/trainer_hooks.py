@@ -1,0 +1,123 @@
+"""Hooks on torchtitan's trainer and metrics for our schedules.
+
+- ``Trainer.init_distributed``: before it creates the process group, resolve shipped-asset
+  paths, check the config (:mod:`.config_check`) and record the plan. ``custom_import`` runs
+  inside ``Trainer.__init__`` just before ``self.init_distributed()``, so replacing the class
+  attribute still catches this very trainer. With ``python -m torchtitan.train`` the class
+  lives in ``__main__``; both that and ``torchtitan.train.Trainer`` are hooked.
+- Loss: both our schedules have the losses on pipeline rank 0 (DualPipeV's last stage
+  ``2pp-1`` lives there; DualPipe computes them on ranks 0 and ``pp-1``), while torchtitan
+  assumes the last PP rank for every schedule but "ZBVZeroBubble" and logs ``loss: -1``
+  elsewhere. ``MetricsProcessor.log`` takes the loss from pipeline rank 0 on every rank, so
+  every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
+  ``ensure_pp_loss_visible`` warning about LOG_RANK is moot.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+from . import data
+from .config_check import check_job_config, our_schedule
+from .pipeline import ACTIVE
+
+LOSS_RANK = 0  # pipeline rank holding a last stage for both schedules; global rank 0 too
+
+
+def _n_layers(job_config: Any) -> int | None:
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = get_train_spec(job_config.model.name).model_args.get(job_config.model.flavor)
+    return getattr(args, "n_layers", None)
+
+
+def prepare(job_config: Any) -> None:
+    """Resolve asset paths, check the config, record the plan (raises ValueError on every rank)."""
+    data.resolve_asset_paths(job_config)
+    n_layers = _n_layers(job_config) if our_schedule(job_config.parallelism.pipeline_parallel_schedule) else None
+    ACTIVE.plan = check_job_config(job_config, n_layers)
+
+
+def _hook_init_distributed(cls: type) -> None:
+    original = cls.init_distributed
+    if getattr(original, "_titan_dualpipe", False):
+        return
+
+    @functools.wraps(original)
+    def init_distributed(self: Any) -> Any:
+        prepare(self.job_config)
+        return original(self)
+
+    init_distributed._titan_dualpipe = True  # type: ignore[attr-defined]
+    cls.init_distributed = init_distributed
+
+
+def _trainer_modules() -> list[Any]:
+    """Loaded modules that hold torchtitan's ``Trainer``: the package module and ``__main__``."""
+    main = sys.modules.get("__main__")
+    is_train_main = getattr(getattr(main, "__spec__", None), "name", None) == "torchtitan.train"
+    return [m for m in (sys.modules.get("torchtitan.train"), main if is_train_main else None) if m is not None]
+
+
+def _make_metrics_rank(original: Callable[[Any, Any], int]) -> Callable[[Any, Any], int]:
+    def _get_metrics_rank(parallel_dims: Any, job_config: Any) -> int:
+        if parallel_dims.pp_enabled and our_schedule(job_config.parallelism.pipeline_parallel_schedule):
+            return LOSS_RANK
+        return original(parallel_dims, job_config)
+
+    return _get_metrics_rank
+
+
+def _make_loss_visible(original: Callable[..., None]) -> Callable[..., None]:
+    def ensure_pp_loss_visible(parallel_dims: Any, job_config: Any, color: Any) -> None:
+        if not our_schedule(job_config.parallelism.pipeline_parallel_schedule):
+            original(parallel_dims, job_config, color)  # ours: every rank logs the loss
+
+    return ensure_pp_loss_visible
+
+
+def _make_metrics_log(original: Callable[..., None]) -> Callable[..., None]:
+    def log(self: Any, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        dims = self.parallel_dims
+        if dims.pp_enabled and our_schedule(self.job_config.parallelism.pipeline_parallel_schedule):
+            global_avg_loss, global_max_loss = _losses_from_loss_rank(dims, global_avg_loss, global_max_loss)
+        original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+    return log
+
+
+def _losses_from_loss_rank(parallel_dims: Any, avg: float, peak: float) -> tuple[float, float]:
+    """Every PP rank takes pipeline rank 0's loss instead of logging -1.
+
+    MetricsProcessor.log runs on every rank at the same steps (torchtitan already runs its
+    loss collectives there), so this two-float broadcast is safe and costs one tiny message
+    per logged step.
+    """
+    import torch
+    import torch.distributed as dist
+    from torchtitan.tools import utils
+
+    values = torch.tensor([avg, peak], dtype=torch.float64, device=utils.device_type)
+    dist.broadcast(values, group=parallel_dims.get_mesh("pp").get_group(), group_src=LOSS_RANK)
+    return values[0].item(), values[1].item()
+
+
+def install() -> None:
+    from torchtitan.components import metrics
+
+    if getattr(metrics, "_titan_dualpipe_installed", False):
+        return
+    original_visible = metrics.ensure_pp_loss_visible
+    metrics._get_metrics_rank = _make_metrics_rank(metrics._get_metrics_rank)
+    metrics.ensure_pp_loss_visible = _make_loss_visible(original_visible)
+    metrics.MetricsProcessor.log = _make_metrics_log(metrics.MetricsProcessor.log)
+    metrics._titan_dualpipe_installed = True
+    if not _trainer_modules():
+        import torchtitan.train  # noqa: F401 - imported here only when nothing loaded it yet
+    for module in _trainer_modules():
+        _hook_init_distributed(module.Trainer)
+        if getattr(module, "ensure_pp_loss_visible", None) is original_visible:
+            module.ensure_pp_loss_visible = metrics.ensure_pp_loss_visible
