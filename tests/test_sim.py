@@ -1,0 +1,334 @@
+"""Simulator, cost parser, CSV input, CLI output, timeline picture and trace (pure, no process group)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+import titan_dualpipe.cli as main_cli
+import titan_dualpipe.sim as sim_package
+from titan_dualpipe._compat import B, F, I, OVERLAP_F_B, W, _Action
+from titan_dualpipe.orders import compute_order, placement
+from titan_dualpipe.orders.csv_io import write_csv
+from titan_dualpipe.orders.lowering import leaf_actions, lower
+from titan_dualpipe.sim import (
+    JSON_KEYS_HELP,
+    SCHEDULE_NAMES,
+    Costs,
+    Pipeline,
+    TimedAction,
+    parse_costs,
+    pipeline_for,
+    pipeline_from_csv,
+    simulate,
+    trace_events,
+)
+from titan_dualpipe.sim.cli import compare
+from titan_dualpipe.sim.engine import peak_activations
+
+
+def pairs_per_rank(pipe: Pipeline) -> list[int]:
+    return [sum(a.computation_type == OVERLAP_F_B for a in acts) for _, acts in sorted(pipe.order.items())]
+
+
+# ---- DeepSeek's table -----------------------------------------------------------------------
+#
+# The table's assumption: a forward chunk, the input-gradient part of a backward (I) and the
+# weight part (W) take the same time, so F = I = W = 1 and B = 2; F&B (an overlapped pair)
+# lies between F + I (perfect overlap) and F + B (none). PP is the number of stages in a
+# chain: DualPipe on pp ranks has chains of pp stages (PP = pp); DualPipeV on P ranks has
+# one chain of 2P stages (PP = 2P, and it is DualPipe(2P) folded); 1F1B on PP ranks, PP.
+# The table assumes enough microbatches for the steady phase: we check the smallest count
+# each schedule accepts (DualPipe 2*pp, DualPipeV 2*P, 1F1B PP) and a larger one.
+
+TABLE_COSTS = [Costs(F=1, B=2, W=1, FB=fb) for fb in (2.0, 2.4, 3.0)]  # F&B = F+I .. F+B
+EVEN_PP = range(2, 33, 2)
+
+
+def _dualpipe_family(PP: int) -> list[Pipeline]:
+    return [
+        pipeline_for("DualPipe", PP, 2 * PP),
+        pipeline_for("DualPipe", PP, 2 * PP + 6),
+        pipeline_for("DualPipeV", PP // 2, PP),
+        pipeline_for("DualPipeV", PP // 2, PP + 3),
+    ]
+
+
+@pytest.mark.parametrize("PP", EVEN_PP)
+def test_dualpipe_family_matches_deepseek_table(PP: int) -> None:
+    for pipe in _dualpipe_family(PP):
+        pairs = pairs_per_rank(pipe)
+        for costs in TABLE_COSTS:
+            result = simulate(pipe, costs)
+            table_bubble = (PP / 2 - 1) * (costs.overlapped + costs.B - 3 * costs.W)
+            assert result.max_bubble == pytest.approx(table_bubble), (pipe.name, pipe.pp_size, costs)
+            # The table's figure is the bubble of the ranks that overlap the most pairs; a rank
+            # with fewer pairs is busier by (F + B - F&B) per missing pair and idles that much less.
+            saving = costs.F + costs.B - costs.overlapped
+            expected = [table_bubble - saving * (max(pairs) - p) for p in pairs]
+            assert [r.bubble for r in result.ranks] == pytest.approx(expected)
+            assert [r.peak_activations for r in result.ranks] == [PP + 1] * pipe.pp_size
+
+
+@pytest.mark.parametrize("PP", EVEN_PP)
+def test_1f1b_matches_deepseek_table(PP: int) -> None:
+    costs = TABLE_COSTS[1]
+    for n in (PP, 2 * PP):
+        result = simulate(pipeline_for("1F1B", PP, n), costs)
+        assert [r.bubble for r in result.ranks] == pytest.approx([(PP - 1) * (costs.F + costs.B)] * PP)
+        # torch's 1F1B runs num_stages - rank forwards before its first backward
+        assert [r.peak_activations for r in result.ranks] == [PP - rank for rank in range(PP)]
+
+
+def test_torch_dualpipev_runs_like_ours() -> None:
+    costs = Costs(F=1, B=2, W=0.5, FB=2.2)
+    for pp, n in ((2, 4), (4, 9), (5, 12)):
+        ours, theirs = simulate(pipeline_for("DualPipeV", pp, n), costs), simulate(pipeline_for("torch:DualPipeV", pp, n), costs)
+        assert [(e.rank, str(e.action), e.start, e.end) for e in ours.timeline] == [
+            (e.rank, str(e.action), e.start, e.end) for e in theirs.timeline
+        ]
+
+
+# ---- engine ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_every_rank_runs_its_whole_order_once(name: str) -> None:
+    pp, n = 4, 8
+    pipe = pipeline_for(name, pp, n)
+    result = simulate(pipe, Costs(F=1, B=2, W=0.5, FB=2.5), p2p=0.1)
+    for rank, actions in pipe.order.items():
+        ran = [e for e in result.timeline if e.rank == rank]
+        assert Counter(e.action for e in ran) == Counter(actions)
+        assert [e.action for e in sorted(ran, key=lambda e: e.start)] == actions  # in list order
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(ran, ran[1:]))  # one at a time
+    leaves = Counter(leaf.computation_type for e in result.timeline for leaf in leaf_actions(e.action))
+    stages = pipe.num_stages
+    assert leaves[F] == stages * n // len(pipe.chains)
+    assert leaves[B] + leaves[I] == leaves[F] and leaves[W] == leaves[I]
+
+
+def test_p2p_latency_applies_to_cross_rank_edges_only() -> None:
+    # 1F1B on 2 ranks, 2 microbatches: rank 1 runs F0 B0 F1 B1, rank 0 F0 F1 B0 B1.
+    pipe = pipeline_for("1F1B", 2, 2)
+    assert simulate(pipe, Costs(F=1, B=2), p2p=0.0).makespan == pytest.approx(9.0)
+    # r1: F0 1.5-2.5, B0 -4.5, F1 -5.5, B1 -7.5; r0: B0 waits until 5.0 -> 7.0, B1 8.0 -> 10.0
+    assert simulate(pipe, Costs(F=1, B=2), p2p=0.5).makespan == pytest.approx(10.0)
+    # DualPipeV on one rank: both stages on rank 0, nothing crosses ranks
+    single = pipeline_for("DualPipeV", 1, 4)
+    assert simulate(single, p2p=5.0).makespan == simulate(single, p2p=0.0).makespan
+
+
+def test_pair_waits_for_both_halves_and_costs_fb() -> None:
+    # rank 0 holds stage 0 (first) and stage 1 (last) of one chain; the pair (0F1;1B0) needs 1F0.
+    pair = _Action(-1, OVERLAP_F_B, None, (_Action(0, F, 1), _Action(1, B, 0)))
+    order = {0: [_Action(0, F, 0), _Action(1, F, 0), pair, _Action(1, F, 1), _Action(1, B, 1),
+                 _Action(0, B, 0), _Action(0, B, 1)]}
+    result = simulate(Pipeline("hand-made", order, ((0, 1),), 2), Costs(F=1, B=2, FB=2.5))
+    pair_event = next(e for e in result.timeline if e.action == pair)
+    assert (pair_event.start, pair_event.end) == (2.0, 4.5)
+    assert result.makespan == pytest.approx(2 + 2.5 + 1 + 2 + 2 + 2)
+
+
+def test_malformed_order_is_reported_not_looped() -> None:
+    # rank 1 runs its backward before the forward it needs; rank 0 then waits forever too.
+    order = {0: [_Action(0, F, 0), _Action(0, B, 0)], 1: [_Action(1, B, 0), _Action(1, F, 0)]}
+    with pytest.raises(ValueError) as err:
+        simulate(Pipeline("broken", order, ((0, 1),), 1))
+    message = str(err.value)
+    assert "rank 0: 0B0" in message and "waits for 1B0 or 1I0" in message
+    assert "rank 1: 1B0" in message and "waits for 1F0" in message
+
+
+def test_weight_grad_without_its_input_grad_is_reported() -> None:
+    order = {0: [_Action(0, F, 0), _Action(0, W, 0), _Action(0, I, 0)]}
+    with pytest.raises(ValueError, match=r"0W0 \(action 2 of 3\) waits for 0I0"):
+        simulate(Pipeline("W first", order, ((0,),), 1))
+
+
+def test_peak_activations_counts_pairs_and_split_backwards() -> None:
+    f0, f1 = _Action(0, F, 0), _Action(0, F, 1)
+    assert peak_activations([f0, f1, _Action(0, B, 0), _Action(0, B, 1)]) == 2
+    # a pair allocates its forward before its backward frees
+    assert peak_activations([f0, _Action(-1, OVERLAP_F_B, None, (f1, _Action(0, B, 0)))]) == 2
+    # I keeps the activation alive until W
+    assert peak_activations([f0, _Action(0, I, 0), f1, _Action(0, W, 0)]) == 2
+    assert peak_activations([f0, _Action(0, B, 0), f1]) == 1
+
+
+# ---- costs ----------------------------------------------------------------------------------
+
+
+def test_parse_costs() -> None:
+    costs = parse_costs("F=1,B=2,W=0.5,FB=2.2")
+    assert (costs.F, costs.B, costs.W, costs.I, costs.overlapped) == (1, 2, 0.5, 1.5, 2.2)
+    assert parse_costs("f=2, b=3").overlapped == 5  # FB defaults to F + B
+    assert parse_costs("F&B=2.5").overlapped == 2.5
+    assert Costs().scaled(0.5).as_dict() == {"F": 0.5, "B": 1.0, "W": 0.5, "I": 0.5, "FB": 1.5}
+
+
+@pytest.mark.parametrize("text, named", [
+    ("F=1,X=2", "'X=2'"), ("F=one", "'one'"), ("F", "'F'"), ("W=3", "W=3"), ("F=-1", "F=-1"), ("B=0", "B=0"),
+])
+def test_bad_costs_name_the_value(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        parse_costs(text)
+
+
+# ---- CSV ------------------------------------------------------------------------------------
+
+
+def _timings(result) -> list[tuple]:
+    return [(e.rank, str(e.action), e.start, e.end) for e in result.timeline]
+
+
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+def test_dualpipe_csv_runs_like_the_named_schedule(tmp_path, fmt: str) -> None:
+    pp, n = 4, 10
+    order = compute_order("DualPipe", pp, n)
+    if fmt == "compute_comms":
+        order = lower(order, placement("DualPipe", pp, n))
+    path = tmp_path / "dualpipe.csv"
+    with open(path, "w", newline="") as f:
+        write_csv(order, f)
+    from_csv = pipeline_from_csv(str(path))
+    assert from_csv.chains == ((0, 1, 2, 3), (4, 5, 6, 7))  # read off the microbatches
+    costs = Costs(F=1, B=2, W=1, FB=2.5)
+    assert _timings(simulate(from_csv, costs, 0.1)) == _timings(simulate(pipeline_for("DualPipe", pp, n), costs, 0.1))
+
+
+def test_single_chain_csv(tmp_path) -> None:
+    path = tmp_path / "zbv.csv"
+    pipe = pipeline_for("ZBVZeroBubble", 2, 4)
+    with open(path, "w", newline="") as f:
+        write_csv(pipe.order, f)
+    from_csv = pipeline_from_csv(str(path))
+    assert from_csv.chains == ((0, 1, 2, 3),) and from_csv.n_microbatches == 4
+    assert _timings(simulate(from_csv)) == _timings(simulate(pipe))
+
+
+def test_bad_csv_cell_is_a_value_error(tmp_path) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0X1\n")
+    with pytest.raises(ValueError, match="bad.csv"):
+        pipeline_from_csv(str(path))
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim_only_cli(monkeypatch):
+    """The package CLI with just this module's commands (others may need optional extras)."""
+    assert "titan_dualpipe.sim.cli" in main_cli.COMMAND_MODULES
+    monkeypatch.setattr(main_cli, "COMMAND_MODULES", ("titan_dualpipe.sim.cli",))
+    return main_cli.main
+
+
+def _documented_keys() -> set[str]:
+    body = JSON_KEYS_HELP.split(":\n", 1)[1]
+    return {line.split()[0] for line in body.splitlines() if line.startswith("  ") and not line.startswith("   ")}
+
+
+def test_json_keys_are_documented(sim_only_cli, capsys) -> None:
+    assert sim_only_cli(["simulate", "--schedule", "DualPipe", "--pp", "4", "--microbatches", "8",
+                         "--cost", "F=1,B=2,W=1,FB=2.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == _documented_keys()
+    assert {"makespan", "bubble_per_rank", "bubble_ratio", "peak_activations_per_rank"} <= set(out)
+    assert out["bubble_per_rank"] == pytest.approx([out["makespan"] - b for b in out["busy_per_rank"]])
+    assert out["peak_activations_per_rank"] == [5, 5, 5, 5]
+    assert JSON_KEYS_HELP in sim_package.__doc__
+    with pytest.raises(SystemExit):
+        sim_only_cli(["simulate", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(key in help_text for key in _documented_keys())
+
+
+def test_compare_lists_every_schedule(sim_only_cli, capsys, tmp_path) -> None:
+    csv_path = tmp_path / "dp.csv"
+    with open(csv_path, "w", newline="") as f:
+        write_csv(compute_order("DualPipe", 4, 16), f)
+    assert sim_only_cli(["simulate", "--compare", "--pp", "4", "--microbatches", "16", "--csv", str(csv_path),
+                         "--json"]) == 0
+    rows = {row["schedule"]: row for row in json.loads(capsys.readouterr().out)["schedules"]}
+    assert set(rows) == set(SCHEDULE_NAMES) | {f"csv:{csv_path}"}
+    assert rows["DualPipe"]["makespan"] == rows[f"csv:{csv_path}"]["makespan"]
+    # 2*pp stages per chain run at half the per-stage cost: the same total work on every row
+    assert rows["DualPipeV"]["cost_scale"] == 0.5 and rows["1F1B"]["cost_scale"] == 1
+    assert rows["DualPipeV"]["busy_per_rank"] == rows["1F1B"]["busy_per_rank"] == [48.0] * 4
+
+
+def test_compare_reports_schedules_that_cannot_run() -> None:
+    rows = {name: result for name, _, result in compare(3, 4, Costs())}
+    assert "even pipeline size" in rows["DualPipe"]  # DualPipe needs an even pp
+    assert "n_microbatches >= 2 * pp_size" in rows["DualPipeV"]
+    assert rows["1F1B"].makespan == pytest.approx((4 + 3 - 1) * 3)
+
+
+def test_cli_turns_bad_input_into_an_error(sim_only_cli, capsys) -> None:
+    assert sim_only_cli(["simulate", "--schedule", "Nope", "--pp", "2", "--microbatches", "4"]) == 2
+    assert "unknown schedule 'Nope'" in capsys.readouterr().err
+    assert sim_only_cli(["simulate", "--schedule", "DualPipe"]) == 2
+    assert "needs --pp, --microbatches" in capsys.readouterr().err
+    assert sim_only_cli(["draw", "--schedule", "1F1B", "--pp", "2", "--microbatches", "2"]) == 2
+    assert "-o FILE" in capsys.readouterr().err
+
+
+def test_simulate_table(sim_only_cli, capsys) -> None:
+    assert sim_only_cli(["simulate", "--schedule", "torch:1f1b", "--pp", "2", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan 9, bubble ratio 33.3%" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("   ")]
+    assert rows == [["0", "6", "3", "33.3%", "2", "4"], ["1", "6", "3", "33.3%", "1", "4"]]
+
+
+# ---- timeline: trace and picture ------------------------------------------------------------
+
+
+def test_trace_has_one_process_per_rank_and_one_event_per_action(tmp_path, sim_only_cli) -> None:
+    result = simulate(pipeline_for("DualPipe", 4, 8), Costs(FB=2.5))
+    trace = trace_events(result.timeline)
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(result.timeline)
+    assert {e["pid"] for e in complete} == {0, 1, 2, 3}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"rank 0", "rank 1", "rank 2", "rank 3"}
+    last = max(complete, key=lambda e: e["ts"] + e["dur"])
+    assert (last["ts"] + last["dur"]) / 1000 == pytest.approx(result.makespan)
+    assert any(e["cat"] == "F&B" and "&" in e["name"] for e in complete)
+    path = tmp_path / "t.json"
+    assert sim_only_cli(["draw", "--schedule", "DualPipe", "--pp", "4", "--microbatches", "8", "--trace", str(path)]) == 0
+    assert len(json.loads(path.read_text())["traceEvents"]) == len(trace["traceEvents"])
+
+
+def test_draw_writes_a_png(tmp_path, sim_only_cli) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "schedule.png"
+    assert sim_only_cli(["draw", "--schedule", "DualPipe", "--pp", "4", "--microbatches", "8",
+                         "--cost", "F=1,B=2,W=1,FB=2.5", "-o", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_draw_a_measured_timeline(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from titan_dualpipe.sim import draw_timeline
+
+    t0 = 1_700_000_000.0  # wall-clock seconds, as a runtime would record them
+    events = [TimedAction(0, _Action(0, F, 0), t0, t0 + 0.01), TimedAction(1, _Action(1, F, 0), t0 + 0.012, t0 + 0.02)]
+    path = tmp_path / "measured.svg"
+    draw_timeline(events, str(path), "measured", time_label="seconds")
+    assert path.read_text().lstrip().startswith("<?xml")
+
+
+def test_draw_without_matplotlib_says_what_to_install(monkeypatch, tmp_path) -> None:
+    import sys
+
+    from titan_dualpipe.sim import draw_timeline
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    events = simulate(pipeline_for("1F1B", 2, 2)).timeline
+    with pytest.raises(ValueError, match=r"pip install 'titan_dualpipe\[plot\]'"):
+        draw_timeline(events, str(tmp_path / "x.png"))
