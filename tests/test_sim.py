@@ -275,6 +275,9 @@ def test_cli_turns_bad_input_into_an_error(sim_only_cli, capsys) -> None:
     assert "needs --pp, --microbatches" in capsys.readouterr().err
     assert sim_only_cli(["draw", "--schedule", "1F1B", "--pp", "2", "--microbatches", "2"]) == 2
     assert "-o FILE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse rejects a bad --cost, keeping our message
+        sim_only_cli(["simulate", "--compare", "--pp", "2", "--microbatches", "4", "--cost", "F=1,B=x"])
+    assert "cost B='x' in 'F=1,B=x' is not a number" in capsys.readouterr().err
 
 
 def test_simulate_table(sim_only_cli, capsys) -> None:

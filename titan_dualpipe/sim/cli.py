@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import JSON_KEYS_HELP
 from .costs import Costs, parse_costs
@@ -24,19 +24,27 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", help=f"one of {', '.join(SCHEDULE_NAMES)} (case-insensitive)")
     p.add_argument("--pp", type=int, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, help="microbatches per step")
-    p.add_argument("--cost", default=DEFAULT_COSTS, type=parse_costs,
+    p.add_argument("--cost", default=DEFAULT_COSTS, type=_costs_argument,
                    help=f"per-action costs KEY=VALUE,... with F, B (full backward), W (weight part of B; "
                         f"I = B - W), FB (overlapped F+B pair, default F+B) (default {DEFAULT_COSTS})")
     p.add_argument("--p2p", type=float, default=0.0, help="latency added to each cross-rank hand-off (default 0)")
     p.add_argument("--csv", metavar="FILE", help="a torch-format CSV order (one row per rank) instead of --schedule")
 
 
+def _costs_argument(text: str) -> Costs:
+    try:
+        return parse_costs(text)
+    except ValueError as err:  # argparse would replace a ValueError's message with its own
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "simulate",
         help="time a schedule's order with per-action costs: bubbles, makespan, peak activations",
-        description="Event-driven simulation: every rank runs its actions in order; F waits for the "
-                    "previous stage's F, B/I for the next stage's B/I, W for its I.",
+        description="Event-driven simulation: every rank runs its actions in order; F waits for the\n"
+                    "previous stage's F, B/I for the next stage's B/I, W for its I; an overlapped\n"
+                    "F&B pair for the inputs of both halves.",
         epilog=JSON_KEYS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -101,7 +109,7 @@ def format_result(result: SimResult) -> str:
 
 
 def compare(pp: int, n_microbatches: int, costs: Costs, p2p: float = 0.0,
-            extra: list[Pipeline] = ()) -> list[tuple[str, float, SimResult | str]]:
+            extra: Sequence[Pipeline] = ()) -> list[tuple[str, float, SimResult | str]]:
     """Every named schedule (plus ``extra``) at the same sizes: ``(name, cost scale, result or why not)``.
 
     ``costs`` are for a stage holding ``1/pp`` of the model; a schedule whose chains hold

@@ -27,7 +27,11 @@ class TimedAction(NamedTuple):
 
 def action_label(action: _Action) -> str:
     """Short label: ``F3``, ``B5``, ``I2``, ``W2``; a pair is ``F3&B5``."""
-    return "&".join(f"{leaf.computation_type.value}{leaf.microbatch_index}" for leaf in leaf_actions(action))
+    return "&".join(f"{leaf.computation_type.value}{_microbatch(leaf)}" for leaf in leaf_actions(action))
+
+
+def _microbatch(action: _Action) -> str:
+    return "" if action.microbatch_index is None else str(action.microbatch_index)
 
 
 def action_kind(action: _Action) -> str:
@@ -114,13 +118,16 @@ def draw_timeline(
     if not events:
         raise ValueError("the timeline is empty: nothing to draw.")
     direction_of = direction_of or (lambda stage: 0)
+    origin = min(e.start for e in events)  # measured clocks start anywhere; show time since the first action
+    events = [e._replace(start=e.start - origin, end=e.end - origin) for e in events]
     ranks = sorted({e.rank for e in events})
-    start, end = min(e.start for e in events), max(e.end for e in events)
+    start, end = 0.0, max(e.end for e in events)
     fig_width = min(60.0, max(8.0, 0.28 * len(events) / len(ranks) + 2))
     fig, ax = plt.subplots(figsize=(fig_width, 0.55 * len(ranks) + 1.6))
-    font = _cell_font_size(events, fig_width, end - start)
+    points_per_unit = fig_width * 0.85 * 72 / (end or 1.0)
+    font = _cell_font_size(events, points_per_unit)
     for e in events:
-        _draw_action(ax, e, ranks.index(e.rank), direction_of, font)
+        _draw_action(ax, e, ranks.index(e.rank), direction_of, font, points_per_unit)
     _style_axes(ax, ranks, (start, end), title, time_label)
     handles = _legend_handles(events, direction_of, direction_label)
     legend_height = 0.45  # inches kept free under the axes for the legend
@@ -155,14 +162,15 @@ def _legend_handles(events: list[TimedAction], direction_of: StageDirection, dir
     return handles
 
 
-def _cell_font_size(events: list[TimedAction], fig_width: float, span: float) -> float:
-    # A cell of the shortest single action should fit a two-digit label.
-    shortest = min((e.end - e.start) / len(leaf_actions(e.action)) for e in events)
-    inches = fig_width * 0.85 * shortest / span if span > 0 else 1.0
-    return max(4.0, min(9.0, inches * 72 / 1.9))
+def _cell_font_size(events: list[TimedAction], points_per_unit: float) -> float:
+    """A size at which a typical cell fits a two-digit microbatch number."""
+    widths = sorted((e.end - e.start) / len(leaf_actions(e.action)) for e in events)
+    typical = widths[len(widths) // 2] * points_per_unit
+    return max(4.0, min(9.0, typical / 1.9))
 
 
-def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection, font: float) -> None:
+def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection, font: float,
+                 points_per_unit: float) -> None:
     leaves = leaf_actions(event.action)
     width = (event.end - event.start) / len(leaves)
     top = row - _ROW_HEIGHT / 2
@@ -170,7 +178,8 @@ def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection,
         direction = min(direction_of(leaf.stage_index), 1)
         x = event.start + i * width
         ax.add_patch(_cell(x, top, width, leaf, direction))
-        ax.text(x + width / 2, row, str(leaf.microbatch_index), ha="center", va="center", fontsize=font)
+        if width * points_per_unit >= 1.2 * font:  # no label on slivers
+            ax.text(x + width / 2, row, _microbatch(leaf), ha="center", va="center", fontsize=font)
     if len(leaves) > 1:
         from matplotlib.patches import Rectangle
 
