@@ -148,6 +148,14 @@ def test_weight_grad_without_its_input_grad_is_reported() -> None:
         simulate(Pipeline("W first", order, ((0,),), 1))
 
 
+def test_stage_on_two_ranks_or_outside_the_chains_is_rejected() -> None:
+    twice = {0: [_Action(0, F, 0)], 1: [_Action(0, B, 0)]}
+    with pytest.raises(ValueError, match="stage 0 runs on ranks 0 and 1"):
+        simulate(Pipeline("split stage", twice, ((0,),), 1))
+    with pytest.raises(ValueError, match=r"stages \[5\] run but belong to no chain"):
+        simulate(Pipeline("stray stage", {0: [_Action(5, F, 0)]}, ((0,),), 1))
+
+
 def test_peak_activations_counts_pairs_and_split_backwards() -> None:
     f0, f1 = _Action(0, F, 0), _Action(0, F, 1)
     assert peak_activations([f0, f1, _Action(0, B, 0), _Action(0, B, 1)]) == 2

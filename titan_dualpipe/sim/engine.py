@@ -194,6 +194,7 @@ def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0) -> Si
     costs = costs or Costs()
     if p2p < 0:
         raise ValueError(f"p2p latency must be >= 0, got {p2p}.")
+    _check_stages(pipe)
     run = _Run(pipe, costs, p2p)
     ready = deque(sorted(pipe.order))
     while ready:
@@ -204,6 +205,13 @@ def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0) -> Si
             f"produced: {run.stuck_report()}"
         )
     return _result(run, costs)
+
+
+def _check_stages(pipe: Pipeline) -> None:
+    """Each stage on one rank and in one chain, so data flow and hand-off costs are defined."""
+    unknown = sorted(set(pipe.stage_rank) - {s for chain in pipe.chains for s in chain})
+    if unknown:
+        raise ValueError(f"{pipe.name}: stages {unknown} run but belong to no chain of {pipe.chains}.")
 
 
 def peak_activations(actions: list[_Action]) -> int:
