@@ -55,9 +55,10 @@ def split_arguments(args: argparse.Namespace) -> tuple[argparse.Namespace, list[
 
 def torchrun_argv(config: str, nproc: int, log_ranks: str, overrides: list[str], port: int | None) -> list[str]:
     rendezvous = ["--standalone"] if port is None else ["--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{port}"]
+    shown = ",".join(map(str, range(nproc))) if log_ranks == "all" else log_ranks
+    # As torchtitan's run_train.sh: the shown ranks' output, each line prefixed "[rankN]:".
     argv = [*rendezvous, "--nnodes", "1", "--nproc-per-node", str(nproc)]
-    if log_ranks != "all":
-        argv += ["--local-ranks-filter", log_ranks]
+    argv += ["--local-ranks-filter", shown, "--role", "rank", "--tee", "3"]
     return [*argv, "-m", WORKER_MODULE, "--job.config_file", config, *overrides]
 
 
@@ -79,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser, run as torchrun
 
     argv = torchrun_argv(args.config, args.nproc, args.log_ranks, overrides, args.master_port)
-    os.environ["LOG_RANK"] = ",".join(str(r) for r in range(args.nproc)) if args.log_ranks == "all" else args.log_ranks
     try:
         torchrun(get_args_parser().parse_args(argv))
     except ChildFailedError as err:
@@ -92,5 +92,5 @@ def _first_error(err: object) -> str:
     failures = getattr(err, "failures", {})
     if not failures:
         return str(err)
-    first = failures[min(failures)]
-    return str(getattr(first, "message", first))
+    message = getattr(failures[min(failures)], "message", "")
+    return str(message.get("message", message) if isinstance(message, dict) else message)

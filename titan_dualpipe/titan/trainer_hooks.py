@@ -11,16 +11,20 @@
   elsewhere. ``MetricsProcessor.log`` takes the loss from pipeline rank 0 on every rank, so
   every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
   ``ensure_pp_loss_visible`` warning about LOG_RANK is moot.
+- ``get_train_spec``: under DualPipe the spec's optimizer builder also registers the MoE twin
+  expert-count sum (:mod:`.moe_twins`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Any, Callable
 
 from . import data
 from .config_check import check_job_config, our_schedule
+from .moe_twins import with_twin_expert_counts
 from .pipeline import ACTIVE
 
 LOSS_RANK = 0  # pipeline rank holding a last stage for both schedules; global rank 0 too
@@ -105,8 +109,22 @@ def _losses_from_loss_rank(parallel_dims: Any, avg: float, peak: float) -> tuple
     return values[0].item(), values[1].item()
 
 
+def _make_get_train_spec(original: Callable[[str], Any]) -> Callable[[str], Any]:
+    """DualPipe: the spec's optimizer builder also keeps MoE twins' expert counts equal."""
+
+    def get_train_spec(name: str) -> Any:
+        spec = original(name)
+        plan = ACTIVE.plan
+        if plan is None or plan.schedule != "DualPipe":
+            return spec
+        return dataclasses.replace(spec, build_optimizers_fn=with_twin_expert_counts(spec.build_optimizers_fn))
+
+    return get_train_spec
+
+
 def install() -> None:
     from torchtitan.components import metrics
+    from torchtitan.protocols import train_spec
 
     if getattr(metrics, "_titan_dualpipe_installed", False):
         return
@@ -115,6 +133,7 @@ def install() -> None:
     metrics.ensure_pp_loss_visible = _make_loss_visible(original_visible)
     metrics.MetricsProcessor.log = _make_metrics_log(metrics.MetricsProcessor.log)
     metrics._titan_dualpipe_installed = True
+    train_spec.get_train_spec = _make_get_train_spec(train_spec.get_train_spec)
     if not _trainer_modules():
         import torchtitan.train  # noqa: F401 - imported here only when nothing loaded it yet
     for module in _trainer_modules():
