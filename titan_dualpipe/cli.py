@@ -14,7 +14,6 @@ COMMAND_MODULES = (
     "titan_dualpipe.orders.cli",  # csv
     "titan_dualpipe.bench.cli",  # bench
     "titan_dualpipe.titan.launch",  # train
-    "titan_dualpipe.titan.launch",  # train
     "titan_dualpipe.sim.cli",  # simulate, draw
 )
 
