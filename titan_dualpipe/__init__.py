@@ -6,6 +6,7 @@
 """
 
 from .orders import SCHEDULES, compute_order, placement
+from .runtime import ScheduleDualPipe, ScheduleDualPipeV, TimedAction
 
-__all__ = ["SCHEDULES", "compute_order", "placement"]
+__all__ = ["SCHEDULES", "ScheduleDualPipe", "ScheduleDualPipeV", "TimedAction", "compute_order", "placement"]
 __version__ = "0.1.0"

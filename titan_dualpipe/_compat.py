@@ -7,6 +7,8 @@ so the range is pinned and checked at import.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import InferenceMode
@@ -58,38 +60,31 @@ def _check_torch_version() -> None:
 _check_torch_version()
 
 
-class _ChainEndStage:
-    """Mixin: ``is_first`` / ``is_last`` follow the stage's own chain, not ``stage_index``.
+def _chain_first(stage: Any) -> bool:
+    return stage._chain_first
 
-    torch assumes one chain ``0..num_stages-1``. DualPipe has two (one per direction),
-    so the last stage of direction 0 and the first stage of direction 1 sit in the
-    middle of the index range; every torch stage method keys input/loss handling on
-    these two properties, so overriding them is all torch needs.
-    """
 
-    _chain_first: bool
-    _chain_last: bool
-
-    @property
-    def is_first(self) -> bool:
-        return self._chain_first
-
-    @property
-    def is_last(self) -> bool:
-        return self._chain_last
+def _chain_last(stage: Any) -> bool:
+    return stage._chain_last
 
 
 _CHAIN_END_CLASSES: dict[type, type] = {}
 
 
 def set_chain_ends(stage: _PipelineStageBase, *, first: bool, last: bool) -> None:
-    """Make ``stage`` report ``first``/``last`` for its chain (idempotent)."""
+    """Make ``stage.is_first`` / ``is_last`` follow its own chain, not ``stage_index``.
+
+    torch assumes one chain ``0..num_stages-1``. DualPipe has two (one per direction), so
+    the last stage of direction 0 and the first stage of direction 1 sit in the middle of
+    the index range. Every torch stage method keys input and loss handling on these two
+    properties, so the stage's class is swapped for a subclass that overrides just them.
+    """
     base = type(stage)
-    if not isinstance(stage, _ChainEndStage):
+    if base not in _CHAIN_END_CLASSES.values():
         cls = _CHAIN_END_CLASSES.get(base)
         if cls is None:
-            cls = type(f"ChainEnd{base.__name__}", (_ChainEndStage, base), {})
-            _CHAIN_END_CLASSES[base] = cls
+            attrs = {"__slots__": (), "is_first": property(_chain_first), "is_last": property(_chain_last)}
+            cls = _CHAIN_END_CLASSES[base] = type(f"ChainEnd{base.__name__}", (base,), attrs)
         stage.__class__ = cls
     stage._chain_first = first  # type: ignore[attr-defined]
     stage._chain_last = last  # type: ignore[attr-defined]

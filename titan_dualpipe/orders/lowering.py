@@ -3,7 +3,7 @@
 Lowering = torch's own per-rank passes (``_add_unshard_reshard``, ``_add_reduce_grad``),
 then :func:`insert_send_recv`, a send/recv pass that follows the placement's chains
 (torch's ``_add_send_recv`` assumes one chain ``0..N-1`` and rejects DualPipe), then
-optionally torch's ``_defer_recv_ops``.
+optionally :func:`defer_recvs`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from .._compat import (
     _Action,
     _add_reduce_grad,
     _add_unshard_reshard,
-    _defer_recv_ops,
     _format_pipeline_order,
     _validate_schedule,
 )
@@ -136,11 +135,62 @@ def lower(
         for rank, actions in order.items()
     }
     lowered = insert_send_recv(with_fsdp, place)
-    if defer_recv:
-        lowered = _defer_recv_ops(lowered, stage_to_rank=place.rank_of)
-    return lowered
+    return defer_recvs(lowered, place) if defer_recv else lowered
 
 
 def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
     """The F/I/W/B leaves of a rank's order, pairs flattened, in execution order."""
     return [leaf for a in actions if a is not None for leaf in leaf_actions(a) if leaf.is_compute_op]
+
+
+def _recv_peer(action: _Action, place: Placement) -> int:
+    stage = action.stage_index
+    producer = place.prev_stage(stage) if action.computation_type == RECV_F else place.next_stage(stage)
+    return place.rank_of(producer)
+
+
+def defer_recvs(lowered: Order, place: Placement) -> Order:
+    """Post each RECV as late as possible: just before the compute that consumes it.
+
+    Two rules keep it correct. Messages between a pair of ranks match in posting order
+    (torch's sends carry no tag), and activations and gradients of equal shape flow the
+    same way between V neighbours, so recvs from one peer keep their relative order: a
+    consumer flushes its peer's queue up to its own recv. And, as in torch's
+    ``_defer_recv_ops``, a rank posts pending recvs from a higher peer before sending to
+    it, so the lower rank of every pair always has its recv posted first (no deadlock).
+    """
+    result: Order = {}
+    for rank, actions in lowered.items():
+        out: list[_Action] = []
+        pending: dict[int, deque[_Action]] = {}
+
+        def flush(peer: int, upto: _Action | None = None) -> None:
+            queue = pending.get(peer, deque())
+            while queue:
+                recv = queue.popleft()
+                out.append(recv)
+                if recv == upto:
+                    return
+
+        for action in actions:
+            kind = action.computation_type
+            if kind in (RECV_F, RECV_B):
+                pending.setdefault(_recv_peer(action, place), deque()).append(action)
+                continue
+            if kind in (SEND_F, SEND_B):
+                stage = action.stage_index
+                peer_stage = place.next_stage(stage) if kind == SEND_F else place.prev_stage(stage)
+                peer = place.rank_of(peer_stage)
+                if rank < peer:
+                    flush(peer)
+            for leaf in leaf_actions(action):
+                needed = {F: RECV_F, I: RECV_B, B: RECV_B}.get(leaf.computation_type)
+                recv = _Action(leaf.stage_index, needed, leaf.microbatch_index) if needed else None
+                for peer, queue in pending.items():
+                    if recv in queue:
+                        flush(peer, recv)
+            out.append(action)
+        for peer in list(pending):
+            flush(peer)
+        result[rank] = out
+    return result

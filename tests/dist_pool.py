@@ -1,0 +1,101 @@
+"""A pool of gloo worker processes, spawned once per test module.
+
+``pool.run(fn, **kwargs)`` runs ``fn(**kwargs)`` on every rank and returns the per-rank
+results; an exception on any rank fails the call with every rank's traceback; a call that
+does not finish in time kills the pool (the next call starts a fresh one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], pg_timeout_s: float) -> None:
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s))
+    while (task := tasks.get()) is not None:
+        module, name, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RemoteError(AssertionError):
+    pass
+
+
+class WorkerPool:
+    def __init__(self, world: int, pg_timeout_s: float = 120.0) -> None:
+        self.world = world
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        paths = [tests_dir, os.path.dirname(tests_dir)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results, paths, self.pg_timeout_s), daemon=True)
+            for r in range(self.world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn.__module__, fn.__name__, kwargs))
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(outcomes) < self.world:
+            try:
+                rank, ok, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close(kill=True)
+                missing = sorted(set(range(self.world)) - set(outcomes))
+                raise RemoteError(f"{fn.__name__}{kwargs} timed out after {timeout_s}s on ranks {missing}") from None
+            outcomes[rank] = (ok, value)
+        failures = {r: v for r, (ok, v) in sorted(outcomes.items()) if not ok}
+        if failures:
+            raise RemoteError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items()))
+        return [outcomes[r][1] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        if not self._procs:
+            return
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 30)
+            if p.is_alive():
+                p.kill()
+        self._procs = []

@@ -1,0 +1,96 @@
+"""Runtime schedules vs a single-process reference (CPU, gloo, 4 spawned ranks).
+
+Each case trains two steps with an Adam step between and checks per-microbatch losses
+and every parameter gradient of every stage on every rank (rtol 1e-5, atol 4e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pipeline_cases as cases
+from dist_pool import WorkerPool
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(WORLD)
+    yield p
+    p.close()
+
+
+def _ran(results: list) -> list[dict]:
+    ran = [r for r in results if r is not None]
+    assert ran, "no rank ran the case"
+    return ran
+
+
+NUMERICS = [
+    ("DualPipeV", 1, 2), ("DualPipeV", 1, 3),
+    ("DualPipeV", 2, 4), ("DualPipeV", 2, 7),
+    ("DualPipeV", 4, 8), ("DualPipeV", 4, 11),
+    ("DualPipe", 2, 4), ("DualPipe", 2, 6),
+    ("DualPipe", 4, 8), ("DualPipe", 4, 10),
+]
+
+
+@pytest.mark.parametrize("schedule,pp,n", NUMERICS)
+def test_matches_reference(pool, schedule, pp, n):
+    ran = _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n))
+    assert len(ran) == pp
+    assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+    assert max(r["grad_err"] for r in ran) <= cases.ATOL
+    if schedule == "DualPipe":
+        assert all(r["twin_parts"] == pp for r in ran)
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 5), ("DualPipe", 4, 8)])
+def test_sum_of_losses_without_grad_scaling(pool, schedule, pp, n):
+    _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, scale_grads=False))
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 5), ("DualPipeV", 4, 8), ("DualPipe", 2, 4), ("DualPipe", 4, 10)])
+def test_deferred_recv(pool, schedule, pp, n):
+    _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, defer_pp_recv=True))
+
+
+@pytest.mark.parametrize("schedule,n", [("DualPipeV", 5), ("DualPipe", 4)])
+def test_fsdp2_on_2x2_mesh(pool, schedule, n):
+    ran = _ran(pool.run(cases.numerics, schedule=schedule, pp=2, n=n, fsdp=True))
+    assert len(ran) == WORLD
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
+def test_eval_forward_only(pool, schedule, pp, n):
+    ran = _ran(pool.run(cases.eval_matches_reference, schedule=schedule, pp=pp, n=n))
+    assert sum(r["outputs_checked"] for r in ran) == n
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 4, 8)])
+def test_missing_target_raises_on_every_rank(pool, schedule, pp, n):
+    messages = _ran(pool.run(cases.bad_step_inputs, schedule=schedule, pp=pp, n=n))
+    assert len(messages) == pp
+    assert all("pass target=" in m for m in messages)
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
+@pytest.mark.parametrize("mistake,expected", [
+    ("one_stage", "exactly two stages per rank"),
+    ("wrong_ids", "Rank r holds stages r and 2*pp-1-r"),
+    ("num_stages", "num_stages=4"),
+])
+def test_bad_stage_lists(pool, schedule, mistake, expected):
+    messages = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=4, mistake=mistake))
+    assert all(expected in m for m in messages), messages
+
+
+@pytest.mark.parametrize("schedule,n,expected", [
+    ("DualPipeV", 3, "n_microbatches >= 2 * pp_size"),
+    ("DualPipe", 5, "even number of microbatches"),
+    ("DualPipe", 2, "n_microbatches >= 2 * pp_size"),
+])
+def test_bad_microbatch_counts(pool, schedule, n, expected):
+    messages = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=n, mistake="none"))
+    assert all(expected in m for m in messages), messages

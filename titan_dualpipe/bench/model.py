@@ -1,0 +1,82 @@
+"""A small decoder-only transformer and its pipeline split, shared by tests and benchmarks.
+
+Layer names follow torchtitan (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), and
+a model part keeps the full model's parameter names, so part gradients compare by name
+with a non-pipelined reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention + MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.attention_norm(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = h + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return h + self.w2(F.gelu(self.w1(self.ffn_norm(h))))
+
+
+class TinyLM(nn.Module):
+    """Token embedding -> blocks -> norm -> vocab head; a part may lack any of these."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings: nn.Module | None = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
+        self.norm: nn.Module | None = nn.LayerNorm(dim)
+        self.output: nn.Module | None = nn.Linear(dim, vocab)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def split_model(model: TinyLM, n_parts: int) -> list[TinyLM]:
+    """``n_parts`` deep copies of ``model``, each keeping a contiguous run of layers;
+    part 0 keeps the embedding, the last part the norm and head."""
+    n_layers = len(model.layers)
+    if n_layers < n_parts:
+        raise ValueError(f"cannot split {n_layers} layers into {n_parts} parts: use at least {n_parts} layers")
+    bounds = [round(i * n_layers / n_parts) for i in range(n_parts + 1)]
+    parts = []
+    for i in range(n_parts):
+        part = copy.deepcopy(model)
+        keep = {str(j) for j in range(bounds[i], bounds[i + 1])}
+        for name in list(part.layers):
+            if name not in keep:
+                del part.layers[name]
+        if i != 0:
+            part.tok_embeddings = None
+        if i != n_parts - 1:
+            part.norm = None
+            part.output = None
+        parts.append(part)
+    return parts

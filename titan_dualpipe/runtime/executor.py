@@ -1,0 +1,251 @@
+"""The small runtime: executes one rank's lowered order for one ``step()``.
+
+What each action does (stage ``s``, microbatch ``m``):
+
+=============  ==========================================================================
+``sF m``       wait for ``s``'s input (a posted RECV_F, or the hand-off from the same-rank
+               previous stage), run the forward; on a chain's last stage compute the loss;
+               hand the output to the next stage if it lives on this rank.
+``sB m``       wait for the output grad (RECV_B or same-rank hand-off), run the full
+               backward, hand the input grad to a same-rank previous stage.
+``sI m``       as B but the weight gradient is deferred to the matching W. A chain's first
+               stage has no input grad, so its I does nothing and its W runs the backward.
+``sW m``       run the deferred weight gradient of ``sI m``.
+``OVERLAP_F_B`` the pair ``(F; B)``; run by the schedule's pair runner (overlapped or one
+               after the other).
+``SEND_*``     post an async send of ``s``'s activation / input grad; waited at step end.
+``RECV_*``     post an async recv into ``s``'s buffers; waited just before its consumer.
+``UNSHARD``    FSDP: start all-gathering ``s``'s parameters; RESHARD frees them again.
+``REDUCE_GRAD`` after ``s``'s last backward: FSDP gradient reduction, then divide grads by
+               ``n_microbatches`` when ``scale_grads``.
+=============  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from .._compat import (
+    B,
+    F,
+    I,
+    OVERLAP_F_B,
+    RECV_B,
+    RECV_F,
+    REDUCE_GRAD,
+    RESHARD,
+    SEND_B,
+    SEND_F,
+    UNSHARD,
+    W,
+    _Action,
+    _batch_p2p,
+    _PipelineContext,
+    _wait_batch_p2p,
+)
+from ..orders.placement import Placement
+
+BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
+
+
+class TimedAction(NamedTuple):
+    """One executed compute action: seconds since the step started on its rank."""
+
+    rank: int
+    action: _Action
+    start: float
+    end: float
+
+
+class StepExecutor:
+    """Per-step state and one handler per action type (see the module table)."""
+
+    def __init__(
+        self,
+        schedule: Any,
+        place: Placement,
+        arg_mbs: list,
+        kwarg_mbs: list,
+        target_mbs: list | None,
+        loss_kwargs: dict | None,
+        return_outputs: bool,
+    ) -> None:
+        self.schedule = schedule
+        self.place = place
+        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        self.rank = schedule.rank
+        self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
+        self.loss_kwargs = loss_kwargs
+        self.return_outputs = return_outputs
+        self.training = schedule._has_backward
+        self.losses: dict[int, torch.Tensor] = {}
+        self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
+        self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
+        self.sends: list[list[dist.Work]] = []
+        self.backward_count: Counter[int] = Counter()
+        self.backward_at_weight: set[tuple[int, int]] = set()
+        self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
+        self._t0 = time.perf_counter()
+        self._handlers: dict[Any, Callable[[_Action], None]] = {
+            F: self.forward,
+            B: self.backward,
+            I: self.backward,
+            W: self.weight,
+            OVERLAP_F_B: self.pair,
+            SEND_F: self.send_forward,
+            SEND_B: self.send_backward,
+            RECV_F: self.recv_forward,
+            RECV_B: self.recv_backward,
+            UNSHARD: self.unshard,
+            RESHARD: self.reshard,
+            REDUCE_GRAD: self.reduce_grad,
+        }
+
+    # -- driver ---------------------------------------------------------------------------
+    def run(self, actions: list[_Action]) -> None:
+        for action in actions:
+            if not self.training and action.computation_type in BACKWARD_ONLY:
+                continue
+            custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
+            if custom is not None:
+                ctx = _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None)
+                custom(action, ctx)
+            else:
+                self._handlers[action.computation_type](action)
+        while self.sends:
+            _wait_batch_p2p(self.sends.pop())
+
+    def timed(self, action: _Action, fn: Callable[[], None]) -> None:
+        if self.timeline is None:
+            fn()
+            return
+        start = time.perf_counter() - self._t0
+        fn()
+        self.timeline.append(TimedAction(self.rank, action, start, time.perf_counter() - self._t0))
+
+    # -- compute ----------------------------------------------------------------------------
+    def forward(self, action: _Action) -> None:
+        self.timed(action, lambda: self.run_forward(action))
+
+    def backward(self, action: _Action) -> None:
+        self.timed(action, lambda: self.run_backward(action))
+
+    def weight(self, action: _Action) -> None:
+        self.timed(action, lambda: self.run_weight(action))
+
+    def pair(self, action: _Action) -> None:
+        """An overlapped pair: forward ``sub_actions[0]``, full backward ``sub_actions[1]``."""
+        forward, backward = action.sub_actions
+        if not self.training:
+            self.forward(forward)
+            return
+        self.timed(action, lambda: self.schedule.pair_runner(self, forward, backward))
+
+    def run_forward(self, action: _Action) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        stage = self.stages[s]
+        self.schedule._assert_unsharded(stage)
+        self.wait_input(action)
+        output = stage.forward_one_chunk(
+            mb, self.arg_mbs[mb], self.kwarg_mbs[mb], save_forward_output=self.return_outputs
+        )
+        if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
+            self.losses[mb] = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
+        nxt = self.place.next_stage(s)
+        if nxt in self.stages:
+            self.stages[nxt].set_local_fwd_input(output, mb)
+
+    def run_backward(self, action: _Action) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        stage = self.stages[s]
+        self.schedule._assert_unsharded(stage)
+        self.wait_input(action)
+        if action.computation_type == I and self.place.is_first(s):
+            self.backward_at_weight.add((s, mb))
+            return
+        full = action.computation_type == B
+        stage.backward_one_chunk(
+            mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
+        )
+        prev = self.place.prev_stage(s)
+        if prev in self.stages:
+            self.stages[prev].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    def run_weight(self, action: _Action) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        stage = self.stages[s]
+        self.schedule._assert_unsharded(stage)
+        last = self.count_backward(s)
+        if (s, mb) in self.backward_at_weight:
+            self.backward_at_weight.remove((s, mb))
+            stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
+        else:
+            stage.backward_weight_one_chunk(mb, last_backward=last)
+
+    def count_backward(self, stage_index: int) -> bool:
+        """Count a completed backward of a stage; True for its last one this step."""
+        self.backward_count[stage_index] += 1
+        return self.backward_count[stage_index] == self.place.microbatches_per_stage()
+
+    def wait_input(self, action: _Action) -> None:
+        """Wait for the recv feeding ``action`` unless its producer is a chain end or on this rank."""
+        s, mb = action.stage_index, action.microbatch_index
+        if action.computation_type == F:
+            peer, recvs = self.place.prev_stage(s), self.fwd_recvs
+        else:
+            peer, recvs = self.place.next_stage(s), self.bwd_recvs
+        if peer is None or peer in self.stages:
+            return
+        works = recvs.pop((s, mb), None)
+        if works is None:
+            raise RuntimeError(f"rank {self.rank}: {action} runs before its input was received")
+        _wait_batch_p2p(works)
+
+    # -- communication ----------------------------------------------------------------------
+    def send_forward(self, action: _Action) -> None:
+        self.sends.append(_batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index)))
+
+    def send_backward(self, action: _Action) -> None:
+        self.sends.append(_batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index)))
+
+    def recv_forward(self, action: _Action) -> None:
+        key = (action.stage_index, action.microbatch_index)
+        self.fwd_recvs[key] = _batch_p2p(self.stages[action.stage_index].get_fwd_recv_ops(key[1]))
+
+    def recv_backward(self, action: _Action) -> None:
+        key = (action.stage_index, action.microbatch_index)
+        self.bwd_recvs[key] = _batch_p2p(self.stages[action.stage_index].get_bwd_recv_ops(key[1]))
+
+    # -- FSDP -------------------------------------------------------------------------------
+    def unshard(self, action: _Action) -> None:
+        stage = self.stages[action.stage_index]
+        if isinstance(stage.submod, FSDPModule):
+            handles = self.schedule.unshard_ops[action.stage_index]
+            for module in stage.submod.modules():
+                if isinstance(module, FSDPModule):
+                    handles.append(module.unshard(async_op=True))
+
+    def reshard(self, action: _Action) -> None:
+        stage = self.stages[action.stage_index]
+        if isinstance(stage.submod, FSDPModule):
+            self.schedule._assert_unsharded(stage)  # finishes a pending unshard first
+            for module in stage.submod.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            self.schedule.unsharded_stages.discard(action.stage_index)
+
+    def reduce_grad(self, action: _Action) -> None:
+        scale = self.schedule._n_microbatches if self.schedule.scale_grads else 1
+        self.stages[action.stage_index].perform_reduce_grad(scale)
+
+
+def run_pair_sequentially(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
+    """The pair without overlap: the forward, then the backward."""
+    executor.run_forward(forward)
+    executor.run_backward(backward)

@@ -1,0 +1,273 @@
+"""``ScheduleDualPipeV`` and ``ScheduleDualPipe``: torch pipelining schedules.
+
+Both are ``PipelineScheduleMulti`` subclasses (through torch's ``_PipelineScheduleRuntime``,
+so CSV loading, ``eval()`` and the stage API are torch's) that execute their order with
+:class:`~titan_dualpipe.runtime.executor.StepExecutor`. Each rank passes its two
+``PipelineStage`` objects, stage ids ``r`` and ``2*pp-1-r`` with ``num_stages=2*pp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .._compat import (
+    InferenceMode,
+    PipelineStage,
+    _PipelineScheduleRuntime,
+    _PipelineStageBase,
+    inference_mode_for,
+    set_chain_ends,
+)
+from ..orders import compute_order, placement
+from ..orders.lowering import leaf_actions, lower, validate_order
+from .executor import StepExecutor, TimedAction, run_pair_sequentially
+from .twins import copy_to_twin, sum_twin_grads
+
+PairRunner = Callable[[StepExecutor, Any, Any], None]
+
+
+def _check_stages(name: str, stages: list[_PipelineStageBase], n_microbatches: int) -> None:
+    """ValueError for stage lists that cannot form this rank's part of the schedule."""
+    if not isinstance(stages, (list, tuple)) or len(stages) != 2:
+        count = len(stages) if isinstance(stages, (list, tuple)) else type(stages).__name__
+        raise ValueError(
+            f"{name} needs exactly two stages per rank, got {count}: pass "
+            "[PipelineStage(stage_index=r), PipelineStage(stage_index=2*pp-1-r)] on rank r."
+        )
+    pp, rank = stages[0].group_size, stages[0].group_rank
+    expected = {rank, 2 * pp - 1 - rank}
+    got = {s.stage_index for s in stages}
+    bad_total = [s.num_stages for s in stages if s.num_stages != 2 * pp]
+    if got != expected or bad_total:
+        raise ValueError(
+            f"{name} on rank {rank} of {pp} needs stages {sorted(expected)} with num_stages={2 * pp}; "
+            f"got stage ids {sorted(got)} with num_stages {[s.num_stages for s in stages]}. "
+            "Rank r holds stages r and 2*pp-1-r (V placement)."
+        )
+
+
+class _DualPipeFamily(_PipelineScheduleRuntime):
+    schedule_name: ClassVar[str]
+
+    def __init__(
+        self,
+        stages: list[_PipelineStageBase],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        *,
+        overlap: bool = False,
+        record_timeline: bool = False,
+    ) -> None:
+        _check_stages(self.schedule_name, stages, n_microbatches)
+        self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
+        stages = sorted(stages, key=lambda s: s.stage_index)
+        super().__init__(
+            stages=stages,
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            defer_pp_recv=defer_pp_recv,
+        )
+        place = self.placement
+        self.stage_index_to_group_rank = {s: place.rank_of(s) for s in range(place.num_stages)}
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+            if place.bidirectional:
+                set_chain_ends(stage, first=place.is_first(stage.stage_index), last=place.is_last(stage.stage_index))
+        self.record_timeline = record_timeline
+        self.timeline: list[TimedAction] = []
+        self.pair_runner: PairRunner = run_pair_sequentially
+        self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
+        self._prepare_schedule_with_comms(self.pipeline_order)
+
+    # -- schedule IR -------------------------------------------------------------------------
+    def _validate_and_set_stage_mapping(self, actions: dict) -> None:
+        """Validation for torch's ``_load_csv``: per-stage microbatch counts follow the placement."""
+        validate_order(actions, self.placement)
+
+    def _prepare_schedule_with_comms(self, actions: dict, format: str = "compute_only") -> None:
+        """Lower a compute-only order with our chain-aware passes, or take a compute_comms one as is."""
+        if format == "compute_only":
+            self.pipeline_order_with_comms = lower(actions, self.placement, defer_recv=self._defer_pp_recv)
+        elif format == "compute_comms":
+            compute = {r: [a for a in acts if a is not None and a.is_compute_op] for r, acts in actions.items()}
+            validate_order(compute, self.placement)
+            self.pipeline_order_with_comms = {r: [a for a in acts if a is not None] for r, acts in actions.items()}
+        else:
+            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+
+    # -- step -------------------------------------------------------------------------------
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
+        """Run one step on the whole batch (see the class docstring for who passes what)."""
+        self._agree_on_inputs(args, kwargs, target)
+        return super().step(
+            *args, target=target, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs
+        )
+
+    def _input_problem(self, args: tuple, kwargs: dict, target: Any) -> str:
+        """This rank's problem with its step() inputs, or ''."""
+        place = self.placement
+        local = [s.stage_index for s in self._stages]
+        firsts = [s for s in local if place.is_first(s)]
+        lasts = [s for s in local if place.is_last(s)]
+        if firsts and not args:
+            return (f"rank {self.rank} holds first stage {firsts[0]} of {self.schedule_name} and must pass the "
+                    "whole-batch inputs: schedule.step(x, target=y)")
+        if lasts and self._has_backward and self._loss_fn is not None and target is None:
+            return (f"rank {self.rank} holds last stage {lasts[0]} of {self.schedule_name} and computes the loss: "
+                    "pass target= to step()")
+        return ""
+
+    def _agree_on_inputs(self, args: tuple, kwargs: dict, target: Any) -> None:
+        """Every rank raises when any rank's step() inputs are wrong, before pipeline traffic."""
+        problem = self._input_problem(args, kwargs, target)
+        holds_last = any(self.placement.is_last(s.stage_index) for s in self._stages)
+        group = self._stages[0].group
+        # [ranks with a problem, last-stage ranks passing a target, last-stage ranks]
+        counts = torch.tensor([int(bool(problem)), int(holds_last and target is not None), int(holds_last)])
+        dist.all_reduce(counts, group=group)
+        if counts[0] == 0 and counts[1] not in (0, counts[2]):
+            problem = problem or (
+                f"{self.schedule_name}: {counts[1].item()} of the {counts[2].item()} ranks holding a last "
+                "stage passed target=; pass it on all of them (ranks 0 and pp-1) or on none"
+            )
+            counts[0] = 1
+        if counts[0]:
+            problems: list[str] = [""] * self.pp_group_size
+            dist.all_gather_object(problems, problem, group=group)
+            raise ValueError("; ".join(dict.fromkeys(p for p in problems if p)))
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                           return_outputs=True, loss_kwargs=None):
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        first_target = target_mbs[0] if target_mbs is not None else None
+        self._initialize_stages(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        self._before_first_step()
+        executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
+        executor.run(self.pipeline_order_with_comms[self.rank])
+        if self.unshard_ops:
+            raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
+        self._after_step(executor)
+        if self.record_timeline:
+            self.timeline = executor.timeline
+        self._publish_losses(executor, losses)
+
+    def _before_first_step(self) -> None:
+        """Hook run after stage initialisation, before the first action of every step."""
+
+    def _after_step(self, executor: StepExecutor) -> None:
+        """Hook run after every action of the step completed on this rank."""
+
+    def _gather_losses(self, executor: StepExecutor) -> dict[int, torch.Tensor]:
+        return executor.losses
+
+    def _publish_losses(self, executor: StepExecutor, losses: list | None) -> None:
+        by_mb = self._gather_losses(executor)
+        if losses is None or not by_mb:
+            return
+        if sorted(by_mb) != list(range(self._n_microbatches)):
+            raise RuntimeError(f"rank {self.rank}: losses for microbatches {sorted(by_mb)}, expected all")
+        losses.clear()
+        losses.extend(by_mb[mb] for mb in range(self._n_microbatches))
+
+
+class ScheduleDualPipeV(_DualPipeFamily):
+    """DualPipeV (DeepSeek's "cut-in-half" DualPipe): two stages per rank in a V, one model copy.
+
+    Rank ``r`` holds stages ``r`` and ``2*pp-1-r``. Rank 0 holds the first and the last stage
+    and passes ``x`` and ``target`` to ``step()``; other ranks call ``step()``. Needs
+    ``n_microbatches >= 2*pp``. ``scale_grads=True`` gives the gradient of the mean of the
+    microbatch losses, ``False`` of their sum.
+    """
+
+    schedule_name = "DualPipeV"
+
+
+class ScheduleDualPipe(_DualPipeFamily):
+    """DualPipe (DeepSeek-V3): micro-batches enter from both ends of the pipeline.
+
+    The model is split into ``pp`` parts; rank ``r`` holds part ``r`` as stage ``r``
+    (direction 0, microbatches ``0..n/2-1``) and part ``pp-1-r`` as stage ``2*pp-1-r``
+    (direction 1, microbatches ``n/2..n-1``). Ranks 0 and ``pp-1`` both pass the whole
+    batch ``x`` and ``target``; each receives all ``n`` losses in microbatch order, and
+    ``step()`` returns the outputs of the microbatches whose last stage it holds (rank 0:
+    ``n/2..n-1``, rank ``pp-1``: ``0..n/2-1``).
+
+    Twins: the two copies of each part are made identical at the first ``step()``
+    (direction-0 copy wins; call :meth:`sync_twin_weights` again after changing weights
+    outside the optimizer), and ``step()`` sums their gradients, so both copies hold the
+    full-batch gradient and one optimizer step on every rank keeps them identical.
+    Needs an even ``pp``, an even ``n_microbatches`` and ``n_microbatches >= 2*pp``.
+    """
+
+    schedule_name = "DualPipe"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._twins_synced = False
+        for stage in self._stages:
+            if not isinstance(stage, PipelineStage):
+                raise ValueError(
+                    f"DualPipe needs torch.distributed.pipelining.PipelineStage stages, got {type(stage).__name__}"
+                )
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        return self._stages[0].group
+
+    def _twin_peer(self) -> int:
+        twin = self.placement.twin_rank(self.rank)
+        return dist.get_global_rank(self._group, twin) if self._group is not None else twin
+
+    def sync_twin_weights(self) -> None:
+        """Copy each direction-0 part onto its direction-1 twin (collective over twin pairs)."""
+        near, far = self._stages  # sorted: direction-0 stage r, direction-1 stage 2pp-1-r
+        copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group)
+        self._twins_synced = True
+
+    def _before_first_step(self) -> None:
+        if not self._twins_synced:
+            self.sync_twin_weights()
+
+    def _after_step(self, executor: StepExecutor) -> None:
+        if self._has_backward:
+            parts = {self.placement.model_part(s.stage_index): s.submod for s in self._stages}
+            sum_twin_grads(parts, self._twin_peer(), self._group)
+
+    def _gather_losses(self, executor: StepExecutor) -> dict[int, torch.Tensor]:
+        """Ranks 0 and pp-1 each computed half of the losses; swap halves."""
+        mine = executor.losses
+        if not mine:
+            return mine
+        other_end = self.pp_group_size - 1 - self.rank
+        peer = dist.get_global_rank(self._group, other_end) if self._group is not None else other_end
+        own_mbs = sorted(mine)
+        other_mbs = [mb for mb in range(self._n_microbatches) if mb not in mine]
+        sent = torch.stack([mine[mb].detach() for mb in own_mbs])
+        received = torch.empty_like(sent)
+        ops = [dist.P2POp(dist.isend, sent, peer, self._group), dist.P2POp(dist.irecv, received, peer, self._group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {**mine, **dict(zip(other_mbs, received.unbind()))}
+
+    def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:
+        """Metadata-inference mode agreed by all ranks (torch's vote assumes a single chain)."""
+        vote = torch.tensor([min(int(inference_mode_for(s, has_backward) == InferenceMode.STATIC) for s in stages)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._group)
+        mode = InferenceMode.STATIC if vote.item() else InferenceMode.DYNAMIC
+        for stage in stages:
+            stage._inference_mode = mode

@@ -1,0 +1,119 @@
+"""DualPipe twins: every model part lives on two ranks (``r`` and ``pp-1-r``).
+
+Rank ``r`` holds parts ``r`` and ``pp-1-r``; its twin rank ``pp-1-r`` holds the same two
+parts, so one exchange between the pair covers both twins. Tensors are packed in
+model-part order, which is the same on both ranks, so element ``i`` of the two buffers
+belongs to the same parameter. Sums are ``mine + theirs`` on one side and ``theirs + mine``
+on the other: floating-point addition is commutative, so both copies end bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters and grads), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _packed(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Indices and one flat buffer per dtype, in order of first appearance."""
+    by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        by_dtype[t.dtype].append(i)
+    return [(idx, torch.cat([tensors[i].reshape(-1) for i in idx])) for idx in by_dtype.values()]
+
+
+def _exchange(
+    send: list[torch.Tensor], recv_like: list[torch.Tensor], peer: int, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Send ``send`` to global rank ``peer``; receive tensors shaped like ``recv_like`` from it.
+
+    The peer calls this with the roles mirrored, so its ``send`` is laid out like our
+    ``recv_like`` (same module part, same parameter order and dtypes).
+    """
+    outgoing = [buf for _, buf in _packed(send)]
+    incoming = [(idx, torch.empty_like(buf)) for idx, buf in _packed(recv_like)]
+    ops = [dist.P2POp(dist.isend, buf, peer, group) for buf in outgoing]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for _, buf in incoming]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    received: list[torch.Tensor] = list(recv_like)
+    for idx, buf in incoming:
+        for i, chunk in zip(idx, buf.split([recv_like[i].numel() for i in idx])):
+            received[i] = chunk.view_as(recv_like[i])
+    return received
+
+
+def _params_by_part(modules_by_part: dict[int, nn.Module]) -> list[nn.Parameter]:
+    return [p for part in sorted(modules_by_part) for p in modules_by_part[part].parameters()]
+
+
+def sum_twin_grads(
+    modules_by_part: dict[int, nn.Module], peer: int, group: dist.ProcessGroup | None
+) -> None:
+    """Add the twin rank's gradients to ours (missing grads count as zero)."""
+    params = [p for p in _params_by_part(modules_by_part) if p.requires_grad]
+    grads = [
+        _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach()))
+        for p in params
+    ]
+    for p, grad, theirs in zip(params, grads, _exchange(grads, grads, peer, group)):
+        grad.add_(theirs)
+        if p.grad is None:
+            p.grad = _wrap_like(p, grad)
+
+
+def _wrap_like(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
+    if hasattr(param, "to_local"):  # DTensor parameter: grad must be a DTensor with its layout
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False)
+    return local_grad
+
+
+@torch.no_grad()
+def copy_to_twin(
+    source: nn.Module, target: nn.Module, peer: int, group: dist.ProcessGroup | None
+) -> None:
+    """Send ``source``'s parameters to ``peer`` and overwrite ``target``'s with the peer's.
+
+    Called symmetrically: each rank sends its direction-0 copy and receives into its
+    direction-1 copy, which holds the same model part on the twin rank.
+    """
+    mine = [_local(p) for p in source.parameters()]
+    dest = [_local(p) for p in target.parameters()]
+    _check_same_part(mine, dest, peer, group)
+    for t, theirs in zip(dest, _exchange(mine, dest, peer, group)):
+        t.copy_(theirs)
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64)
+
+
+def _check_same_part(
+    mine: list[torch.Tensor], dest: list[torch.Tensor], peer: int, group: dist.ProcessGroup | None
+) -> None:
+    """Both twins of each part must have the same parameters. Both ranks compare both
+    parts, so they agree on the outcome and neither is left waiting in the bulk copy."""
+    ours = torch.cat([_fingerprint(mine), _fingerprint(dest)])
+    (theirs,) = _exchange([ours], [ours], peer, group)
+    expected = torch.cat([_fingerprint(dest), _fingerprint(mine)])
+    if not torch.equal(theirs, expected):
+        raise ValueError(
+            f"DualPipe twin mismatch with rank {peer}: (params, elements) of its two stages are "
+            f"{theirs.tolist()}, ours {ours.tolist()} (each rank lists its direction-0 stage first; "
+            "twins must match crosswise). Rank r must build its stages from model parts r and "
+            "pp-1-r of one pp-way split."
+        )
+
+
+def twins_identical(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
+    return all(torch.equal(_local(x), _local(y)) for x, y in zip(a, b, strict=True))
