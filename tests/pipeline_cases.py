@@ -115,7 +115,7 @@ def numerics(schedule: str, pp: int, n: int, *, scale_grads: bool = True, defer_
     reference, modules, sched = build_pipeline(
         schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, scale_grads=scale_grads,
         defer_pp_recv=defer_pp_recv, **schedule_kwargs)
-    place = sched.placement
+    place = placement(schedule, pp, n)
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=1e-2)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)

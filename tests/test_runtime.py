@@ -56,9 +56,13 @@ def test_deferred_recv(pool, schedule, pp, n):
     _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, defer_pp_recv=True))
 
 
-@pytest.mark.parametrize("schedule,n", [("DualPipeV", 5), ("DualPipe", 4)])
-def test_fsdp2_on_2x2_mesh(pool, schedule, n):
-    ran = _ran(pool.run(cases.numerics, schedule=schedule, pp=2, n=n, fsdp=True))
+@pytest.mark.parametrize("schedule,pp,n", [
+    ("DualPipeV", 2, 5), ("DualPipe", 2, 4),  # 2 (pp) x 2 (dp) mesh
+    ("DualPipeV", 4, 8), ("DualPipe", 4, 8),  # 4 x 1: split backwards run first on most ranks
+])
+def test_fsdp2(pool, schedule, pp, n):
+    """Nested fully_shard (per layer and per stage); the twin sum composes with FSDP's reduction."""
+    ran = _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, fsdp=True))
     assert len(ran) == WORLD
 
 

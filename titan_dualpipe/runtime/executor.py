@@ -170,6 +170,8 @@ class StepExecutor:
             self.backward_at_weight.add((s, mb))
             return
         full = action.computation_type == B
+        if not full:
+            _unshard_nested(stage)
         stage.backward_one_chunk(
             mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
         )
@@ -186,6 +188,7 @@ class StepExecutor:
             self.backward_at_weight.remove((s, mb))
             stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
         else:
+            _unshard_nested(stage)
             stage.backward_weight_one_chunk(mb, last_backward=last)
 
     def count_backward(self, stage_index: int) -> bool:
@@ -243,6 +246,20 @@ class StepExecutor:
     def reduce_grad(self, action: _Action) -> None:
         scale = self.schedule._n_microbatches if self.schedule.scale_grads else 1
         self.stages[action.stage_index].perform_reduce_grad(scale)
+
+
+def _unshard_nested(stage: Any) -> None:
+    """Unshard every FSDP module of a stage before a split (I or W) backward.
+
+    The split backward finds weights through ``submod.parameters()`` before autograd
+    runs; a nested FSDP module resharded after forward would list its sharded
+    parameters, which are not in the graph, and its weight gradient would be lost.
+    Unsharded, it lists the same parameter objects the forward used. (The backward
+    pre-hooks would unshard these modules moments later anyway.)
+    """
+    for module in stage.submod.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
 
 
 def run_pair_sequentially(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
