@@ -7,10 +7,12 @@ so the range is pinned and checked at import.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import stage as _stage_module
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import (
     _Action,
@@ -20,7 +22,6 @@ from torch.distributed.pipelining.schedules import (
     _add_reduce_grad,
     _add_send_recv,
     _add_unshard_reshard,
-    _defer_recv_ops,
     _format_pipeline_order,
     _validate_schedule,
     _wait_batch_p2p,
@@ -108,13 +109,55 @@ __all__ = [
     "_add_reduce_grad",
     "_add_send_recv",
     "_add_unshard_reshard",
-    "_defer_recv_ops",
     "_format_pipeline_order",
     "_validate_schedule",
     "_wait_batch_p2p",
     "_batch_p2p",
     "get_schedule_class",
     "set_chain_ends",
+    "stage_backward_replaced",
+    "module_forward_replaced",
+    "input_grads",
     "inference_mode_for",
     "SUPPORTED_TORCH",
 ]
+
+
+@contextlib.contextmanager
+def stage_backward_replaced(fn: Callable[[Any, Any, list], tuple]) -> Iterator[None]:
+    """Within the block, a stage's full backward calls ``fn(stage_output, output_grads,
+    input_values) -> input grads`` instead of torch's ``stage_backward``.
+
+    Everything else ``backward_one_chunk`` does (fwd-cache lookup, FSDP/DDP no-sync
+    flags, caching input grads for the send) stays torch's own.
+    """
+    original = _stage_module.stage_backward
+    _stage_module.stage_backward = fn
+    try:
+        yield
+    finally:
+        _stage_module.stage_backward = original
+
+
+@contextlib.contextmanager
+def module_forward_replaced(module: torch.nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, ``module(...)`` runs ``fn`` in place of ``module.forward``
+    (module hooks, e.g. FSDP's unshard, still run around it)."""
+    module.forward = fn  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def input_grads(input_values: list) -> tuple:
+    """What torch's ``stage_backward`` returns after its autograd call: each input's grad
+    (cleared from the input so it is not accumulated again)."""
+    grads = []
+    for value in input_values:
+        if isinstance(value, torch.Tensor):
+            grads.append(value.grad)
+            value.grad = None
+        else:
+            grads.append(None)
+    return tuple(grads)

@@ -88,6 +88,7 @@ class StepExecutor:
         self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
         self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
         self.sends: list[list[dist.Work]] = []
+        self.sent_early: set[_Action] = set()
         self.backward_count: Counter[int] = Counter()
         self.backward_at_weight: set[tuple[int, int]] = set()
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
@@ -212,10 +213,22 @@ class StepExecutor:
 
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
+        if action in self.sent_early:
+            self.sent_early.remove(action)
+            return
         self.sends.append(_batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index)))
 
     def send_backward(self, action: _Action) -> None:
         self.sends.append(_batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index)))
+
+    def post_send_early(self, send: _Action) -> None:
+        """Post a forward send now, ahead of its place in the order (which then skips it),
+        if the order has it at all (no send to a same-rank stage or past a chain end)."""
+        nxt = self.place.next_stage(send.stage_index)
+        if nxt is None or nxt in self.stages:
+            return
+        self.send_forward(send)
+        self.sent_early.add(send)
 
     def recv_forward(self, action: _Action) -> None:
         key = (action.stage_index, action.microbatch_index)

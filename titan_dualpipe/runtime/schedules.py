@@ -23,6 +23,7 @@ from .._compat import (
 )
 from ..orders import compute_order, placement
 from ..orders.lowering import leaf_actions, lower, validate_order
+from ..overlap.pair import run_pair_overlapped
 from .executor import StepExecutor, TimedAction, run_pair_sequentially
 from .twins import copy_to_twin, sum_twin_grads
 
@@ -64,7 +65,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         backward_requires_autograd: bool = True,
         defer_pp_recv: bool = False,
         *,
-        overlap: bool = False,
+        overlap: bool = True,
         record_timeline: bool = False,
     ) -> None:
         _check_stages(self.schedule_name, stages, n_microbatches)
@@ -89,7 +90,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                 set_chain_ends(stage, first=place.is_first(stage.stage_index), last=place.is_last(stage.stage_index))
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
-        self.pair_runner: PairRunner = run_pair_sequentially
+        self.overlap = overlap
+        self.pair_runner: PairRunner = run_pair_overlapped if overlap else run_pair_sequentially
         self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 

@@ -1,0 +1,54 @@
+"""Pair runners: how the runtime executes an overlapped ``(F; B)`` pair.
+
+- :func:`run_pair_overlapped` (default): when the stage modules implement
+  :class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`, the pair is handed
+  to it inside torch's own forward and backward bookkeeping; otherwise the forward runs,
+  its pipeline send is posted at once (instead of after the whole pair) and the backward
+  computes while that send is in flight.
+- :func:`~titan_dualpipe.runtime.executor.run_pair_sequentially`: the forward, then the
+  backward, sends after both (``overlap=False``; for debugging and comparison).
+
+Both run the same computations on the same data, so their results are bitwise equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._compat import SEND_F, _Action, input_grads, module_forward_replaced, stage_backward_replaced
+from .protocol import overlap_implementation
+
+
+def run_pair_overlapped(executor: Any, forward: _Action, backward: _Action) -> None:
+    fwd_module = executor.stages[forward.stage_index].submod
+    bwd_module = executor.stages[backward.stage_index].submod
+    fused = overlap_implementation(fwd_module, bwd_module)
+    if fused is None:
+        executor.run_forward(forward)
+        executor.post_send_early(_Action(forward.stage_index, SEND_F, forward.microbatch_index))
+        executor.run_backward(backward)
+        return
+
+    def forward_running_both_halves(*args: Any, **kwargs: Any) -> Any:
+        result: dict[str, Any] = {}
+
+        def backward_half(stage_output: Any, output_grads: Any, input_values: list) -> tuple:
+            outputs, grads = _differentiable(stage_output, output_grads)
+            result["forward"] = fused(fwd_module, args, kwargs, bwd_module, input_values, outputs, grads)
+            return input_grads(input_values)
+
+        with stage_backward_replaced(backward_half):
+            executor.run_backward(backward)
+        return result["forward"]
+
+    with module_forward_replaced(fwd_module, forward_running_both_halves):
+        executor.run_forward(forward)
+
+
+def _differentiable(stage_output: Any, output_grads: Any) -> tuple[list, list | None]:
+    """The outputs torch's full backward would backpropagate from, with their grads."""
+    if not isinstance(stage_output, (tuple, list)):
+        return [stage_output], None  # a last stage's loss
+    kept = [(o, g) for o, g in zip(stage_output, output_grads)
+            if o.requires_grad or o.grad_fn is not None]
+    return [o for o, _ in kept], [g for _, g in kept]
