@@ -1,0 +1,133 @@
+"""``titan-dualpipe bench runtime``: step time of our schedules vs torch's, 2 CPU processes.
+
+Every schedule trains the same TinyLM on the same batches. Repetitions are paired: each
+round times a few steps of every schedule (in a rotated order), and the medians over
+rounds are reported, with ratios to torch's ScheduleDualPipeV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .model import TinyLM, lm_loss, split_model
+
+OURS = ("DualPipeV", "DualPipe")
+TORCH = ("torch DualPipeV", "ZBVZeroBubble", "Interleaved1F1B")
+PP = 2
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("runtime", help="our DualPipeV/DualPipe vs torch's schedules (2 CPU processes)")
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds (default 7)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per schedule per round (default 3)")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.set_defaults(func=run)
+
+
+def _stage_ids(name: str, rank: int) -> list[int]:
+    if name == "Interleaved1F1B":
+        return [rank, rank + PP]  # loop placement
+    return [rank, 2 * PP - 1 - rank]  # V placement
+
+
+def _schedule(name: str, model: TinyLM, n: int, rank: int):
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV as TorchDualPipeV
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+    from .. import ScheduleDualPipe, ScheduleDualPipeV
+
+    classes: dict[str, Callable[..., Any]] = {
+        "DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe, "torch DualPipeV": TorchDualPipeV,
+        "ZBVZeroBubble": ScheduleZBVZeroBubble, "Interleaved1F1B": ScheduleInterleaved1F1B,
+    }
+    num_stages = 2 * PP
+    parts = split_model(model, PP if name == "DualPipe" else num_stages)
+    stages = []
+    for s in _stage_ids(name, rank):
+        part = parts[s % PP] if name == "DualPipe" else parts[s]
+        stages.append(PipelineStage(part, s, num_stages, torch.device("cpu")))
+    return classes[name](stages, n, loss_fn=lm_loss), stages
+
+
+def _feeds(name: str, rank: int) -> bool:
+    """Whether this rank passes inputs/targets: it holds a first or a last stage."""
+    ids = _stage_ids(name, rank)
+    if name == "DualPipe":
+        return rank in (0, PP - 1)
+    return 0 in ids or 2 * PP - 1 in ids
+
+
+def _time_steps(schedule, feeds: bool, x, y, steps: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        schedule.step(x, target=y) if feeds else schedule.step()
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _worker(rank: int, port: int, cfg: dict, out: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=timedelta(minutes=5))
+    torch.manual_seed(0)
+    model = TinyLM(vocab=512, dim=cfg["dim"], layers=cfg["layers"], heads=4)
+    n = cfg["microbatches"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 512, (4 * n, cfg["seq"]), generator=g)
+    y = torch.randint(0, 512, (4 * n, cfg["seq"]), generator=g)
+    names = list(OURS + TORCH)
+    schedules = {name: _schedule(name, model, n, rank)[0] for name in names}
+    for name in names:  # warm-up: shape inference, allocator
+        _time_steps(schedules[name], _feeds(name, rank), x, y, 1)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(cfg["rounds"]):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(_time_steps(schedules[name], _feeds(name, rank), x, y, cfg["steps"]))
+    if rank == 0:
+        out.put({name: statistics.median(t) for name, t in times.items()})
+    dist.destroy_process_group()
+
+
+def measure(cfg: dict) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(port, cfg, out), nprocs=PP, start_method="spawn")
+    step_time = out.get()
+    base = step_time["torch DualPipeV"]
+    ratios = {name: step_time[name] / base for name in ("DualPipeV", "DualPipe", "ZBVZeroBubble", "Interleaved1F1B")}
+    return {"ratio_to_torch_dualpipev": ratios, "step_time_s": step_time, "config": cfg}
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = {k: getattr(args, k) for k in ("rounds", "steps", "microbatches", "dim", "layers", "seq")}
+    result = measure(cfg)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"pp={PP} CPU processes, {cfg['microbatches']} microbatches, TinyLM dim={cfg['dim']} "
+          f"layers={cfg['layers']} seq={cfg['seq']}; median of {cfg['rounds']} paired rounds x {cfg['steps']} steps")
+    print(f"{'schedule':<18}{'s/step':>10}{'vs torch DualPipeV':>20}")
+    for name, t in result["step_time_s"].items():
+        ratio = result["ratio_to_torch_dualpipev"].get(name, 1.0)
+        print(f"{name:<18}{t:>10.4f}{ratio:>19.3f}x")
+    return 0
