@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 from functools import lru_cache
 
 import torch
@@ -43,8 +45,46 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _from_csv(cls, csv_format: str):
+    """A schedule factory that replaces the computed order with one loaded from our CLI's CSV."""
+
+    def build(stages, n, **kwargs):
+        from titan_dualpipe.cli import main as cli_main
+
+        sched = cls(stages, n, **kwargs)
+        place = placement(cls.schedule_name, stages[0].group_size, n)
+        path = os.path.join(tempfile.mkdtemp(), f"order_rank{dist.get_rank()}.csv")
+        cli_main(["csv", "--schedule", place.schedule, "--pp", str(place.pp_size), "--microbatches", str(n),
+                  "--format", csv_format, "-o", path])
+        sched._load_csv(path, format=csv_format)
+        return sched
+
+    return build
+
+
+def _torch_runtime_from_csv(stages, n, **kwargs):
+    """torch's own ``_PipelineScheduleRuntime`` running our DualPipeV compute_only CSV."""
+    from titan_dualpipe._compat import _PipelineScheduleRuntime
+    from titan_dualpipe.cli import main as cli_main
+
+    pp = stages[0].group_size
+    path = os.path.join(tempfile.mkdtemp(), f"order_rank{dist.get_rank()}.csv")
+    cli_main(["csv", "--schedule", "DualPipeV", "--pp", str(pp), "--microbatches", str(n), "-o", path])
+    sched = _PipelineScheduleRuntime(stages, n, **kwargs)
+    sched._load_csv(path)
+    return sched
+
+
+RUNTIMES = {
+    "ours": lambda schedule: SCHEDULES[schedule],
+    "ours_csv_compute_only": lambda schedule: _from_csv(SCHEDULES[schedule], "compute_only"),
+    "ours_csv_compute_comms": lambda schedule: _from_csv(SCHEDULES[schedule], "compute_comms"),
+    "torch_csv": lambda schedule: _torch_runtime_from_csv,
+}
+
+
 def build_pipeline(schedule: str, pp: int, n: int, group, pp_rank: int, *, perturb_twins: bool = True,
-                   fsdp_mesh=None, **schedule_kwargs):
+                   fsdp_mesh=None, runtime: str = "ours", **schedule_kwargs):
     """Reference model, this rank's two stage modules, and the schedule."""
     torch.manual_seed(0)
     place = placement(schedule, pp, n)
@@ -65,7 +105,7 @@ def build_pipeline(schedule: str, pp: int, n: int, group, pp_rank: int, *, pertu
             fully_shard(m, mesh=fsdp_mesh)
     stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=group)
               for s in place.stages_of(pp_rank)]
-    sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, **schedule_kwargs)
+    sched = RUNTIMES[runtime](schedule)(stages, n, loss_fn=lm_loss, **schedule_kwargs)
     return full, modules, sched
 
 
@@ -112,9 +152,10 @@ def numerics(schedule: str, pp: int, n: int, *, scale_grads: bool = True, defer_
         if rank >= pp:
             return None
         pp_rank, dp_index, dp_size = rank, 0, 1
+    if defer_pp_recv:
+        schedule_kwargs["defer_pp_recv"] = True
     reference, modules, sched = build_pipeline(
-        schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, scale_grads=scale_grads,
-        defer_pp_recv=defer_pp_recv, **schedule_kwargs)
+        schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, scale_grads=scale_grads, **schedule_kwargs)
     place = placement(schedule, pp, n)
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=1e-2)
@@ -224,3 +265,36 @@ def bad_stage_list(schedule: str, pp: int, n: int, mistake: str) -> str | None:
     except ValueError as err:
         return str(err)
     raise AssertionError(f"{mistake}: constructor did not raise")
+
+
+def overlap_matches_sequential(schedule: str, pp: int, n: int) -> dict | None:
+    """overlap=True and overlap=False give bitwise equal losses and gradients, step after step."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    runs = {}
+    for overlap in (True, False):
+        _, modules, sched = build_pipeline(schedule, pp, n, group, rank, overlap=overlap, record_timeline=True)
+        place = sched.placement
+        opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+        losses_per_step, grads_per_step = [], []
+        for step in range(2):
+            x, y = batch(step, n)
+            losses: list = []
+            feeds = any(place.is_first(s) or place.is_last(s) for s in modules)
+            sched.step(x, target=y, losses=losses) if feeds else sched.step()
+            losses_per_step.append([l.detach().clone() for l in losses])
+            grads_per_step.append([p.grad.clone() for m in modules.values() for p in m.parameters()])
+            opt.step()
+            opt.zero_grad()
+        runs[overlap] = (losses_per_step, grads_per_step, sched.timeline)
+    (l_on, g_on, timeline), (l_off, g_off, _) = runs[True], runs[False]
+    for a, b in zip(l_on + g_on, l_off + g_off):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), f"overlap changed a value by {(x - y).abs().max().item()}"
+    compute = [a for a in sched.pipeline_order[rank]]
+    recorded = [t.action for t in timeline]
+    assert recorded == compute, f"timeline {recorded} != order {compute}"
+    assert all(0 <= t.start <= t.end for t in timeline) and all(t.rank == rank for t in timeline)
+    return {"values_compared": sum(len(x) for x in l_on + g_on), "timed_actions": len(timeline)}

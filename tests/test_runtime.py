@@ -66,6 +66,24 @@ def test_fsdp2(pool, schedule, pp, n):
     assert len(ran) == WORLD
 
 
+@pytest.mark.parametrize("schedule,pp,n,runtime", [
+    ("DualPipeV", 2, 5, "torch_csv"),  # torch's _PipelineScheduleRuntime loads our CSV and runs it
+    ("DualPipeV", 2, 5, "ours_csv_compute_only"),
+    ("DualPipe", 4, 8, "ours_csv_compute_only"),
+    ("DualPipeV", 4, 9, "ours_csv_compute_comms"),
+    ("DualPipe", 2, 6, "ours_csv_compute_comms"),
+])
+def test_csv_orders_train_correctly(pool, schedule, pp, n, runtime):
+    ran = _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, runtime=runtime))
+    assert max(r["grad_err"] for r in ran) <= cases.ATOL
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 5), ("DualPipeV", 4, 8), ("DualPipe", 2, 4), ("DualPipe", 4, 10)])
+def test_overlapped_pairs_bitwise_equal_sequential_and_timeline(pool, schedule, pp, n):
+    ran = _ran(pool.run(cases.overlap_matches_sequential, schedule=schedule, pp=pp, n=n))
+    assert all(r["values_compared"] > 0 and r["timed_actions"] > 0 for r in ran)
+
+
 @pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
 def test_eval_forward_only(pool, schedule, pp, n):
     ran = _ran(pool.run(cases.eval_matches_reference, schedule=schedule, pp=pp, n=n))
