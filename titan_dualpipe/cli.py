@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "titan_dualpipe.bench.cli",  # bench
     "titan_dualpipe.titan.launch",  # train
     "titan_dualpipe.sim.cli",  # simulate, draw
+    "titan_dualpipe.sim.profile",  # profile
 )
 
 

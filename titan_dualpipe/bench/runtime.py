@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .model import TinyLM, lm_loss, split_model
+from .spawn import run_on_processes
 
 OURS = ("DualPipeV", "DualPipe")
 TORCH = ("torch DualPipeV", "ZBVZeroBubble", "Interleaved1F1B")
@@ -80,10 +78,8 @@ def _time_steps(schedule, feeds: bool, x, y, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _worker(rank: int, port: int, cfg: dict, out: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=timedelta(minutes=5))
+def _worker(cfg: dict) -> dict[str, float]:
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=cfg["dim"], layers=cfg["layers"], heads=4)
     n = cfg["microbatches"]
@@ -98,21 +94,11 @@ def _worker(rank: int, port: int, cfg: dict, out: Any) -> None:
     for r in range(cfg["rounds"]):
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name].append(_time_steps(schedules[name], _feeds(name, rank), x, y, cfg["steps"]))
-    if rank == 0:
-        out.put({name: statistics.median(t) for name, t in times.items()})
-    dist.destroy_process_group()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure(cfg: dict) -> dict:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(port, cfg, out), nprocs=PP, start_method="spawn")
-    step_time = out.get()
+    step_time = run_on_processes(_worker, PP, cfg)
     base = step_time["torch DualPipeV"]
     ratios = {name: step_time[name] / base for name in ("DualPipeV", "DualPipe", "ZBVZeroBubble", "Interleaved1F1B")}
     return {"ratio_to_torch_dualpipev": ratios, "step_time_s": step_time, "config": cfg}

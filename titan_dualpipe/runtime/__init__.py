@@ -1,6 +1,7 @@
 """Runtime schedules and the executor that runs their lowered orders."""
 
-from .executor import StepExecutor, TimedAction
+from ..sim.timeline import TimedAction
+from .executor import StepExecutor
 from .schedules import ScheduleDualPipe, ScheduleDualPipeV
 
 __all__ = ["ScheduleDualPipe", "ScheduleDualPipeV", "StepExecutor", "TimedAction"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,17 +50,9 @@ from .._compat import (
     _wait_batch_p2p,
 )
 from ..orders.placement import Placement
+from ..sim.timeline import TimedAction
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
-
-
-class TimedAction(NamedTuple):
-    """One executed compute action: seconds since the step started on its rank."""
-
-    rank: int
-    action: _Action
-    start: float
-    end: float
 
 
 class StepExecutor:

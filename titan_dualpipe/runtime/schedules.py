@@ -24,7 +24,8 @@ from .._compat import (
 from ..orders import compute_order, placement
 from ..orders.lowering import leaf_actions, lower, validate_order
 from ..overlap.pair import run_pair_overlapped
-from .executor import StepExecutor, TimedAction, run_pair_sequentially
+from ..sim.timeline import TimedAction
+from .executor import StepExecutor, run_pair_sequentially
 from .twins import copy_to_twin, sum_twin_grads
 
 PairRunner = Callable[[StepExecutor, Any, Any], None]
@@ -167,6 +168,16 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         if self.record_timeline:
             self.timeline = executor.timeline
         self._publish_losses(executor, losses)
+
+    def collect_timeline(self) -> list[TimedAction]:
+        """Every rank's recorded actions of the last step (``record_timeline=True``), on every rank.
+
+        Collective over the pipeline group. Times are seconds since each rank started the
+        step's first action; ranks start together (step() begins with a collective).
+        """
+        everyone: list[list[TimedAction]] = [[] for _ in range(self.pp_group_size)]
+        dist.all_gather_object(everyone, list(self.timeline), group=self._stages[0].group)
+        return [event for events in everyone for event in events]
 
     def _before_first_step(self) -> None:
         """Hook run after stage initialisation, before the first action of every step."""

@@ -1,0 +1,40 @@
+"""Run a function on N local gloo processes and return what rank 0 puts out."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    try:
+        result = fn(*args)
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_processes(fn: Callable[..., Any], world: int, *args: Any) -> Any:
+    """``fn(*args)`` on ``world`` spawned ranks (one CPU thread each); rank 0's return value.
+
+    ``fn`` must be importable (a module-level function) for spawn.
+    """
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_entry, args=(world, _free_port(), fn, args, out), nprocs=world, start_method="spawn")
+    return out.get()
