@@ -380,6 +380,12 @@ def test_launcher_options_may_follow_the_config() -> None:
     argv = launch.torchrun_argv("c.toml", 4, "all", overrides, None)
     assert argv[-6:] == ["-m", launch.WORKER_MODULE, "--job.config_file", "c.toml", "--training.steps", "3"]
     assert argv[argv.index("--local-ranks-filter") + 1] == "0,1,2,3"
+    # Shown by default: a rank with the loss (torchtitan's last-stage rule, rank 0 for ours).
+    config = str(CONFIGS / "debug_dualpipe.toml")
+    assert launch.loss_rank(config, [], 2) == 0
+    assert launch.loss_rank(config, ["--parallelism.pipeline-parallel-schedule", "1F1B"], 2) == 1
+    assert launch.loss_rank(config, ["--parallelism.pipeline_parallel_schedule=GPipe",
+                                     "--parallelism.pipeline_parallel_degree", "4"], 8) == 6
 
 
 def _twin_counts_worker(rank: int, init_file: str, results) -> None:

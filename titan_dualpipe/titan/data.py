@@ -41,8 +41,7 @@ def _load_jsonl(path: str) -> Any:
 
 def register_dataset() -> None:
     """Make ``titan_dualpipe_tiny`` a torchtitan dataset name (idempotent)."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets import text_datasets
+    from torchtitan.hf_datasets import DatasetConfig, text_datasets
 
     text_datasets.DATASETS.setdefault(
         DATASET_NAME,
@@ -54,9 +53,7 @@ def resolve_asset_path(path: str | None) -> str | None:
     """``path`` itself, or the installed package's copy of a missing ``titan_dualpipe/...`` path."""
     if not path or os.path.isabs(path) or os.path.exists(path):
         return path
-    parts = Path(path).parts
-    if parts and parts[0] == ".":
-        parts = parts[1:]
+    parts = Path(path).parts  # "./x/y" -> ("x", "y")
     if parts and parts[0] == "titan_dualpipe":
         candidate = PACKAGE_PARENT.joinpath(*parts)
         if candidate.exists():

@@ -18,7 +18,7 @@ WORKER_MODULE = "titan_dualpipe.titan.train"
 _OPTIONS: dict[str, dict] = {
     "--nproc": dict(type=int, default=None, help="number of processes (one per GPU; on CPU any number)"),
     "--log-ranks": dict(
-        default="0", help='comma-separated ranks whose output is shown, or "all" (default: 0; every rank logs the loss)'
+        default=None, help='comma-separated ranks whose output is shown, or "all" (default: a rank that logs the loss)'
     ),
     "--master-port": dict(type=int, default=None, help="rendezvous port (default: a free one)"),
 }
@@ -62,6 +62,41 @@ def torchrun_argv(config: str, nproc: int, log_ranks: str, overrides: list[str],
     return [*argv, "-m", WORKER_MODULE, "--job.config_file", config, *overrides]
 
 
+def _option(overrides: list[str], key: str) -> str | None:
+    """The last value given to torchtitan option ``--key`` (``--key v`` or ``--key=v``)."""
+    value = None
+    for i, arg in enumerate(overrides):
+        name, eq, inline = arg.partition("=")
+        if name.replace("-", "_") != f"__{key}":  # tyro takes dashes or underscores
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(overrides):
+            value = overrides[i + 1]
+    return value
+
+
+def loss_rank(config: str, overrides: list[str], nproc: int) -> int:
+    """The rank whose log shows the loss: torchtitan's rule, and rank 0 for our schedules."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(config, "rb") as f:
+            parallelism = tomllib.load(f).get("parallelism", {})
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config {config!r} is not valid TOML: {err}") from None
+    schedule = _option(overrides, "parallelism.pipeline_parallel_schedule") or parallelism.get(
+        "pipeline_parallel_schedule", "1F1B"
+    )
+    degree = _option(overrides, "parallelism.pipeline_parallel_degree") or parallelism.get("pipeline_parallel_degree", 1)
+    pp = int(degree) if str(degree).isdigit() else 1  # torchtitan reports a bad value itself
+    if pp <= 1 or str(schedule).lower() in ("dualpipev", "dualpipe", "zbvzerobubble"):
+        return 0
+    return (nproc // pp) * (pp - 1)  # first rank of the last pipeline stage
+
+
 def _check(config: str, nproc: int | None, log_ranks: str) -> None:
     if not Path(config).is_file():
         raise ValueError(f"config {config!r} is not a file (relative paths start at {os.getcwd()})")
@@ -75,7 +110,9 @@ def _check(config: str, nproc: int | None, log_ranks: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args, overrides = split_arguments(args)
-    _check(args.config, args.nproc, args.log_ranks)
+    _check(args.config, args.nproc, args.log_ranks or "all")
+    if args.log_ranks is None:
+        args.log_ranks = str(loss_rank(args.config, overrides, args.nproc))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run as torchrun
 
