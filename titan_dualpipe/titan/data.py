@@ -14,10 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .make_assets import DATASET_FILE
-
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"  # written by make_assets.py
+TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
+DATASET_FILE = ASSETS_DIR / "tiny_corpus" / "train.jsonl"
 DATASET_NAME = "titan_dualpipe_tiny"
-PACKAGE_PARENT = Path(__file__).resolve().parent.parent.parent
+PACKAGE_PARENT = ASSETS_DIR.parent.parent.parent
 
 # (section, field) of every path option that may point at shipped assets.
 PATH_KEYS = (

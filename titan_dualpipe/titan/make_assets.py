@@ -14,9 +14,7 @@ import json
 import random
 from pathlib import Path
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
-DATASET_FILE = ASSETS_DIR / "tiny_corpus" / "train.jsonl"
+from .data import DATASET_FILE, TOKENIZER_DIR
 
 VOCAB_SIZE = 2000  # < 2048, the debugmodel's embedding rows
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
