@@ -288,6 +288,9 @@ def overlap_matches_sequential(schedule: str, pp: int, n: int) -> dict | None:
             grads_per_step.append([p.grad.clone() for m in modules.values() for p in m.parameters()])
             opt.step()
             opt.zero_grad()
+        gathered = sched.collect_timeline()
+        assert sorted({t.rank for t in gathered}) == list(range(pp))
+        assert [t for t in gathered if t.rank == rank] == sched.timeline
         runs[overlap] = (losses_per_step, grads_per_step, sched.timeline)
     (l_on, g_on, timeline), (l_off, g_off, _) = runs[True], runs[False]
     for a, b in zip(l_on + g_on, l_off + g_off):

@@ -1,0 +1,35 @@
+"""Costs measured from a recorded timeline (the part of `titan-dualpipe profile` that needs no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from titan_dualpipe import placement
+from titan_dualpipe._compat import B, F, I, OVERLAP_F_B, W, _Action
+from titan_dualpipe.sim.profile import costs_from
+from titan_dualpipe.sim.timeline import TimedAction
+
+
+def _event(action: _Action, seconds: float, start: float = 0.0) -> TimedAction:
+    return TimedAction(0, action, start, start + seconds)
+
+
+def test_costs_are_medians_per_kind_and_skip_first_stage_split_backwards():
+    place = placement("DualPipeV", 2, 4)
+    pair = _Action(-1, OVERLAP_F_B, None, (_Action(1, F, 2), _Action(2, B, 0)))
+    timeline = [
+        _event(_Action(1, F, 0), 1.0), _event(_Action(1, F, 1), 3.0), _event(_Action(2, F, 0), 2.0),
+        _event(_Action(2, B, 1), 4.0),
+        _event(_Action(2, I, 3), 1.5), _event(_Action(2, W, 3), 2.5),
+        _event(_Action(0, I, 3), 0.0), _event(_Action(0, W, 3), 9.0),  # first stage: W is the whole backward
+        _event(pair, 5.0),
+    ]
+    costs = costs_from(timeline, place)
+    assert (costs.F, costs.B, costs.W, costs.overlapped) == (2.0, 4.0, 2.5, 5.0)
+
+
+def test_backward_derived_from_split_parts_when_no_full_backward_ran():
+    place = placement("DualPipeV", 2, 4)
+    timeline = [_event(_Action(1, F, 0), 1.0), _event(_Action(1, I, 0), 1.5), _event(_Action(1, W, 0), 0.5)]
+    costs = costs_from(timeline, place)
+    assert costs.B == pytest.approx(2.0) and costs.W == 0.5 and costs.overlapped == pytest.approx(3.0)
