@@ -33,3 +33,20 @@ def test_backward_derived_from_split_parts_when_no_full_backward_ran():
     timeline = [_event(_Action(1, F, 0), 1.0), _event(_Action(1, I, 0), 1.5), _event(_Action(1, W, 0), 0.5)]
     costs = costs_from(timeline, place)
     assert costs.B == pytest.approx(2.0) and costs.W == 0.5 and costs.overlapped == pytest.approx(3.0)
+
+
+def test_profile_command_measures_a_real_run(tmp_path, capsys):
+    import json
+
+    from titan_dualpipe.cli import main
+
+    trace = tmp_path / "measured.json"
+    argv = ["profile", "--schedule", "DualPipe", "--pp", "2", "--microbatches", "4", "--steps", "2",
+            "--dim", "16", "--layers", "2", "--seq", "8", "--json", "--trace", str(trace)]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["measured_step_s"] > 0 and result["simulated_step_s"] > 0
+    assert result["costs_s"]["F"] > 0 and result["costs_s"]["FB"] > 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert sum(e["name"].count("&") for e in events) >= 1  # overlapped pairs were recorded
