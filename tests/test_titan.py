@@ -216,10 +216,10 @@ def test_dualpipev_trains_close_to_1f1b(dualpipev_run: Run, one_f_one_b_run: Run
 def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipev_run: Run) -> None:
     """A DualPipeV CSV from `titan-dualpipe csv` gives the built-in order's losses. Run from
     outside the repository: shipped tokenizer and dataset are found through the package."""
+    from titan_dualpipe.cli import main as cli_main
+
     csv = runs_dir / "dualpipev_pp2_n8.csv"
-    subprocess.run([sys.executable, "-m", "titan_dualpipe", "csv", "--schedule", "DualPipeV", "--pp", "2",
-                    "--microbatches", "8", "-o", str(csv)], cwd=ROOT, check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cli_main(["csv", "--schedule", "DualPipeV", "--pp", "2", "--microbatches", "8", "-o", str(csv)]) == 0
     elsewhere = runs_dir / "elsewhere"
     elsewhere.mkdir()
     run = _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "csv",

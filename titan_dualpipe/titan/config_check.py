@@ -121,12 +121,14 @@ def _check_split(plan: Plan, par: Any, n_layers: int | None) -> None:
         return
     first, last = par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers
     if lps is not None:
-        stages = math.ceil((n_layers + first + last) / lps)
+        effective = n_layers + first + last
+        stages = math.ceil(effective / lps)
         if stages != parts:
+            fitting = [v for v in range(1, effective + 1) if math.ceil(effective / v) == parts]
+            fix = f"remove it or set it to {fitting[0]}" if fitting else "remove it"
             raise ValueError(
                 f"{name} needs {what}, but {LAYERS_PER_STAGE_KEY} = {lps} cuts the {n_layers}-layer model "
-                f"(+{first}+{last} for embeddings and output) into {stages}: remove it or set it to "
-                f"{math.ceil((n_layers + first + last) / parts)}."
+                f"(+{first}+{last} for embeddings and output) into {stages}: {fix}."
             )
         return
     _check_generated_split(plan, n_layers, first, last, what)
@@ -139,8 +141,8 @@ def _check_generated_split(plan: Plan, n_layers: int, first: int, last: int, wha
         generate_llm_fqn_per_model_part(plan.model_parts, n_layers, first, last)
     except ValueError as err:
         raise ValueError(
-            f"{plan.schedule} with {DEGREE_KEY} = {plan.pp} needs {what} of a {n_layers}-layer model: {err} "
-            f"Lower pipeline_parallel_degree, lower {FIRST_LESS_KEY} / {LAST_LESS_KEY}, "
+            f"{plan.schedule} with {DEGREE_KEY} = {plan.pp} needs {what} of a {n_layers}-layer model: "
+            f"{str(err).rstrip('.')}. Lower pipeline_parallel_degree, lower {FIRST_LESS_KEY} / {LAST_LESS_KEY}, "
             f"or list the parts in {FQNS_KEY}."
         ) from None
 
