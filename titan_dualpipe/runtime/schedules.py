@@ -22,7 +22,7 @@ from .._compat import (
     set_chain_ends,
 )
 from ..orders import compute_order, placement
-from ..orders.lowering import leaf_actions, lower, validate_order
+from ..orders.lowering import lower, validate_order
 from ..overlap.pair import run_pair_overlapped
 from ..sim.timeline import TimedAction
 from .executor import StepExecutor, run_pair_sequentially
@@ -31,7 +31,7 @@ from .twins import copy_to_twin, sum_twin_grads
 PairRunner = Callable[[StepExecutor, Any, Any], None]
 
 
-def _check_stages(name: str, stages: list[_PipelineStageBase], n_microbatches: int) -> None:
+def _check_stages(name: str, stages: list[_PipelineStageBase]) -> None:
     """ValueError for stage lists that cannot form this rank's part of the schedule."""
     if not isinstance(stages, (list, tuple)) or len(stages) != 2:
         count = len(stages) if isinstance(stages, (list, tuple)) else type(stages).__name__
@@ -52,6 +52,19 @@ def _check_stages(name: str, stages: list[_PipelineStageBase], n_microbatches: i
 
 
 class _DualPipeFamily(_PipelineScheduleRuntime):
+    """What ScheduleDualPipeV and ScheduleDualPipe share.
+
+    Arguments as torch's ``ScheduleDualPipeV``, plus keyword-only:
+
+    - ``overlap`` (default True): run overlapped pairs with overlap (see
+      :mod:`titan_dualpipe.overlap`); False runs each pair's halves one after the other.
+    - ``record_timeline``: record each compute action's start and end in ``self.timeline``
+      (this rank, last step); :meth:`collect_timeline` gathers all ranks.
+
+    ``defer_pp_recv=True`` posts each receive just before its consumer, keeping receives
+    from one peer in order (see :func:`titan_dualpipe.orders.lowering.defer_recvs`).
+    """
+
     schedule_name: ClassVar[str]
 
     def __init__(
@@ -69,7 +82,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         overlap: bool = True,
         record_timeline: bool = False,
     ) -> None:
-        _check_stages(self.schedule_name, stages, n_microbatches)
+        _check_stages(self.schedule_name, stages)
         self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
         stages = sorted(stages, key=lambda s: s.stage_index)
         super().__init__(
