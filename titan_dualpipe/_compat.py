@@ -143,11 +143,15 @@ def stage_backward_replaced(fn: Callable[[Any, Any, list], tuple]) -> Iterator[N
 def module_forward_replaced(module: torch.nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
     """Within the block, ``module(...)`` runs ``fn`` in place of ``module.forward``
     (module hooks, e.g. FSDP's unshard, still run around it)."""
+    previous = module.__dict__.get("forward")  # an instance-level forward set by someone else
     module.forward = fn  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del module.forward
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 
 def input_grads(input_values: list) -> tuple:
