@@ -101,7 +101,7 @@ def _check(config: str, nproc: int | None, log_ranks: str) -> None:
     if not Path(config).is_file():
         raise ValueError(f"config {config!r} is not a file (relative paths start at {os.getcwd()})")
     if nproc is None or nproc < 1:
-        raise ValueError(f"--nproc must be a positive number of processes, got {nproc}")
+        raise ValueError(f"give --nproc N, the number of processes (one per GPU; on CPU e.g. 2); got {nproc}")
     if log_ranks != "all":
         ranks = log_ranks.split(",")
         if not all(r.isdigit() and int(r) < nproc for r in ranks):
