@@ -253,7 +253,7 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
     assert message in text and "[training] local_batch_size" in text
     for rank in (0, 1):
         assert re.search(rf"\[rank{rank}\]:ValueError: {re.escape(message)}", text), text[-4000:]
-    assert "Training starts" not in text
+    assert "Successfully created meshes" not in text  # stopped before the process group was used
     assert run.seconds < 120
 
 
