@@ -32,7 +32,6 @@ class ActiveRun:
 
     plan: Plan | None = None
     stages: list[Any] = field(default_factory=list)
-    schedule: Any = None
 
 
 ACTIVE = ActiveRun()
@@ -107,7 +106,6 @@ def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
             f"Using titan_dualpipe {ours} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
             + (f" from {par.pipeline_parallel_schedule_csv}" if par.pipeline_parallel_schedule_csv else "")
         )
-        ACTIVE.schedule = schedule
         return schedule
 
     return build_pipeline_schedule
