@@ -1,0 +1,241 @@
+"""Cases run on every rank of a 4-rank WorkerPool: the MoE stage module in DualPipe(V).
+
+Mesh ``pp=2 x ep=2``: the two ranks of a pipeline rank form an expert-parallel pair
+(each keeps half of the experts) and feed different data shards, so they are also data
+parallel for everything but the experts. The reference is one process running the full
+model (all experts) on both shards.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
+from titan_dualpipe import placement
+from titan_dualpipe.bench.model import lm_loss
+from titan_dualpipe.overlap.comm import ExpertParallelComm
+from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+
+PP, EP = 2, 2
+# Process-group timeout of the pool and of the groups below: how long ranks wait for a
+# peer that died (a device mesh's groups would get gloo's default of 30 minutes).
+GROUP_TIMEOUT_S = 20
+ARGS = MoEArgs(vocab_size=64, dim=16, n_layers=4, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=32,
+               capacity_factor=1.0)
+
+
+class Topology(NamedTuple):
+    pp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    ep_mesh: Any  # 1-D DeviceMesh over ep_group, for FSDP
+    pp_rank: int
+    ep_index: int
+
+
+@lru_cache(maxsize=None)
+def topology() -> Topology:
+    """Rank ``r`` is pipeline rank ``r // EP`` and expert-parallel index ``r % EP``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank, timeout = dist.get_rank(), timedelta(seconds=GROUP_TIMEOUT_S)
+    ep_groups = [dist.new_group([p * EP + e for e in range(EP)], timeout=timeout) for p in range(PP)]
+    pp_groups = [dist.new_group([p * EP + e for p in range(PP)], timeout=timeout) for e in range(EP)]
+    pp_rank, ep_index = divmod(rank, EP)
+    ep_mesh = DeviceMesh.from_group(ep_groups[pp_rank], "cpu", mesh_dim_names=("ep",))
+    return Topology(pp_groups[ep_index], ep_groups[pp_rank], ep_mesh, pp_rank, ep_index)
+
+
+def _is_expert(name: str) -> bool:
+    return ".moe.experts." in name
+
+
+def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
+          schedule_cls: Any = None) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
+    """Reference model, this rank's stage modules and schedule (same init on every call)."""
+    topo = topology()
+    place = placement(schedule, PP, n)
+    torch.manual_seed(0)
+    reference = module_cls(ARGS, activation_checkpoint=checkpoint)
+    n_parts = place.num_stages if schedule == "DualPipeV" else PP
+    parts = split_parts(reference, n_parts)
+    comm = ExpertParallelComm(topo.ep_group)
+    modules = {s: parts[place.model_part(s)] for s in place.stages_of(topo.pp_rank)}
+    for module in modules.values():
+        expert_parallel(module, comm)
+    if fsdp:
+        _shard_all_but_experts(modules.values(), topo.ep_mesh)
+    stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=topo.pp_group)
+              for s in place.stages_of(topo.pp_rank)]
+    if schedule_cls is not None:
+        sched = schedule_cls(stages, n, loss_fn=lm_loss)
+    else:
+        sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap)
+    return reference, modules, sched, comm
+
+
+def _shard_all_but_experts(modules, dp_mesh) -> None:
+    """FSDP2 per block and per stage over the expert-parallel ranks; experts stay local."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in modules:
+        experts = {p for n, p in module.named_parameters() if _is_expert(n)}
+        for block in module.layers.values():
+            fully_shard(block, mesh=dp_mesh, ignored_params=experts)
+        fully_shard(module, mesh=dp_mesh, ignored_params=experts)
+
+
+def _average_over_data_shards(modules: dict[int, nn.Module], fsdp: bool) -> None:
+    """What a data-parallel trainer does: average the replicated weights' gradients over
+    the shards (FSDP does that itself); expert gradients already sum over both shards."""
+    group = topology().ep_group
+    for module in modules.values():
+        for name, p in module.named_parameters():
+            if _is_expert(name):
+                p.grad /= EP
+            elif not fsdp:
+                dist.all_reduce(p.grad, group=group)
+                p.grad /= EP
+
+
+def _reference_grad(reference: nn.Module, name: str) -> torch.Tensor:
+    grad = dict(reference.named_parameters())[name].grad
+    if _is_expert(name):
+        local = ARGS.num_experts // EP
+        e = topology().ep_index
+        grad = grad[e * local:(e + 1) * local]
+    return grad
+
+
+def _step(sched, modules, place, x, y) -> list[float]:
+    losses: list = []
+    if any(place.is_first(s) or place.is_last(s) for s in modules):
+        sched.step(x, target=y, losses=losses)
+    else:
+        sched.step()
+    return [l.item() for l in losses]
+
+
+def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2) -> dict:
+    """overlap=True and overlap=False: each matches the reference (losses, every gradient,
+    two steps with Adam between) and the two agree bit for bit."""
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    runs = {}
+    for overlap in (True, False):
+        runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp)
+    reference = runs[True][0]
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opts = {o: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
+            for o, r in runs.items()}
+    result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0}
+    for step in range(steps):
+        want = []
+        for d in range(EP):
+            xd, yd = batch(step, n, d)
+            losses_d = reference_step(reference, xd, yd, n, scale_grads=True)
+            want = losses_d if d == ep_index else want
+        for p in reference.parameters():
+            p.grad /= EP
+        x, y = batch(step, n, ep_index)
+        got: dict[bool, tuple[list[float], list[torch.Tensor]]] = {}
+        for overlap, (_, modules, sched, _) in runs.items():
+            losses = _step(sched, modules, place, x, y)
+            raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+            _average_over_data_shards(modules, fsdp)
+            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))
+            if losses:
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+                result["losses_checked"] += len(losses)
+            got[overlap] = (losses, raw)
+        assert got[True][0] == got[False][0], f"step {step}: losses differ with and without overlap"
+        for a, b in zip(got[True][1], got[False][1], strict=True):
+            assert torch.equal(a, b), f"step {step}: overlap changed a gradient by {(a - b).abs().max().item()}"
+            result["bitwise_tensors"] += 1
+        for opt in (*opts.values(), ref_opt):
+            opt.step()
+            opt.zero_grad()
+    return result
+
+
+def _check_grads(modules, reference, overlap: bool, step: int) -> float:
+    worst = 0.0
+    for s, module in modules.items():
+        for name, p in module.named_parameters():
+            assert p.grad is not None, f"overlap={overlap} step {step}: stage {s} {name} has no gradient"
+            got, want = _full(p.grad), _reference_grad(reference, name)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
+                                       msg=lambda msg: f"overlap={overlap} step {step} stage {s} {name}: {msg}")
+            worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def torch_schedule_numerics(name: str, n: int) -> dict:
+    """The module under torch's own V schedules (split input/weight backward) matches the reference."""
+    from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    cls = {"torch DualPipeV": ScheduleDualPipeV, "ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
+    ep_index = topology().ep_index
+    reference, modules, sched, _ = build("DualPipeV", n, overlap=False, checkpoint=True, fsdp=False, schedule_cls=cls)
+    for d in range(EP):
+        reference_step(reference, *batch(0, n, d), n, scale_grads=True)
+    for p in reference.parameters():
+        p.grad /= EP
+    losses: list = []
+    if 0 in modules:
+        sched.step(*batch(0, n, ep_index)[:1], target=batch(0, n, ep_index)[1], losses=losses)
+    else:
+        sched.step()
+    _average_over_data_shards(modules, fsdp=False)
+    return {"grad_err": _check_grads(modules, reference, overlap=False, step=0), "losses": len(losses)}
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+class FailingMoETransformer(MoETransformer):
+    """Raises in the forward half of its first overlapped pair, after that half's first
+    dispatch exchange was posted and waited (so the peer is mid-pair too)."""
+
+    inject = False
+    _armed = False
+
+    @classmethod
+    def overlapped_forward_backward(cls, forward_module, *args):
+        forward_module._armed = forward_module.inject
+        return super().overlapped_forward_backward(forward_module, *args)
+
+    def forward_steps(self, x):
+        steps = super().forward_steps(x)
+        if not self._armed:
+            return (yield from steps)
+        yield next(steps)
+        raise InjectedFailure(f"injected failure in the forward half of a pair on rank {dist.get_rank()}")
+
+
+def failure_in_pair(n: int = 4) -> dict:
+    """Rank 0 raises inside a pair; report what each rank raised and after how long."""
+    place = placement("DualPipeV", PP, n)
+    _, modules, sched, _ = build("DualPipeV", n, overlap=True, checkpoint=False, fsdp=False,
+                                 module_cls=FailingMoETransformer)
+    for module in modules.values():
+        module.inject = dist.get_rank() == 0
+    x, y = batch(0, n, topology().ep_index)
+    start = time.monotonic()
+    try:
+        _step(sched, modules, place, x, y)
+    except Exception as err:  # noqa: BLE001 - the test inspects what each rank raised
+        chain, cause = [], err
+        while cause is not None:
+            chain.append(f"{type(cause).__name__}: {cause}")
+            cause = cause.__cause__ or cause.__context__
+        return {"raised": True, "chain": chain, "elapsed_s": time.monotonic() - start}
+    return {"raised": False, "elapsed_s": time.monotonic() - start}

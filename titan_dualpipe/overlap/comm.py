@@ -1,0 +1,141 @@
+"""Expert-parallel all-to-all with an optional emulated network cost.
+
+:func:`all_to_all` posts an asynchronous ``all_to_all_single`` over an expert-parallel
+process group and returns a :class:`PendingAllToAll`; the exchange is autograd-aware (its
+backward is the reverse all-to-all, which for equal splits is the same exchange), so a
+plain ``module(x)`` + ``loss.backward()`` works. The overlapped path instead waits the
+handle at a moment of its choosing, computing something else in between.
+
+:class:`EmulatedNetwork` makes every exchange cost ``latency + remote bytes / bandwidth``
+(the local share never crosses a network). The cost is paid in ``wait()`` by sleeping
+until that long after the post, so it uses no CPU and is hidden by whatever computes
+between post and wait. :class:`CommStats` adds up the time spent waiting: the
+communication left exposed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class EmulatedNetwork:
+    """Cost of one all-to-all: ``latency_s + remote_bytes / bandwidth_bytes_per_s``."""
+
+    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s}")
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(
+                f"bandwidth_bytes_per_s must be > 0 (math.inf for no bandwidth cost), got {self.bandwidth_bytes_per_s}"
+            )
+
+    def seconds(self, remote_bytes: int) -> float:
+        return self.latency_s + remote_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass
+class CommStats:
+    """Exchanges posted and seconds spent blocked in their ``wait()``."""
+
+    posted: int = 0
+    waited_s: float = 0.0
+
+    def reset(self) -> None:
+        self.posted, self.waited_s = 0, 0.0
+
+
+class PendingAllToAll:
+    """An exchange in flight; ``output`` holds the result once ``wait()`` returned."""
+
+    def __init__(self, output: torch.Tensor, work: dist.Work | None, ready_at: float, stats: CommStats) -> None:
+        self.output = output
+        self._work = work
+        self._ready_at = ready_at
+        self._stats = stats
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self.output
+        start = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        remaining = self._ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._stats.waited_s += time.perf_counter() - start
+        self._done = True
+        return self.output
+
+
+@dataclass(eq=False)
+class ExpertParallelComm:
+    """The expert-parallel group of one rank (``None``: one rank, nothing to exchange).
+
+    Share one instance between all stage modules of a rank: their exchanges then add
+    up in one :class:`CommStats`.
+    """
+
+    group: dist.ProcessGroup | None = None
+    network: EmulatedNetwork | None = None
+    stats: CommStats = field(default_factory=CommStats)
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+    def post(self, x: torch.Tensor) -> PendingAllToAll:
+        """Start exchanging equal slices of ``x`` along dim 0 (slice ``i`` goes to rank ``i``)."""
+        if x.shape[0] != self.size:
+            raise ValueError(f"all-to-all input needs dim 0 == group size {self.size}, got shape {tuple(x.shape)}")
+        self.stats.posted += 1
+        if self.group is None or x.is_meta:  # shape inference on meta tensors exchanges nothing
+            return PendingAllToAll(x if self.group is None else torch.empty_like(x), None, 0.0, self.stats)
+        x = x.contiguous()
+        output = torch.empty_like(x)
+        start = time.perf_counter()
+        work = dist.all_to_all_single(output, x, group=self.group, async_op=True)
+        delay = 0.0
+        if self.network is not None and self.size > 1:
+            remote_bytes = x.numel() * x.element_size() * (self.size - 1) // self.size
+            delay = self.network.seconds(remote_bytes)
+        return PendingAllToAll(output, work, start + delay, self.stats)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: post the exchange (the handle goes to ``box``). Backward: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: ExpertParallelComm, box: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        pending = comm.post(x)
+        box.append(pending)
+        return pending.output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.comm.post(grad.contiguous()).wait(), None, None
+
+
+def all_to_all(x: torch.Tensor, comm: ExpertParallelComm) -> PendingAllToAll:
+    """Post an autograd-aware exchange of ``x`` (shape ``[group size, ...]``); wait before reading ``output``."""
+    if comm.group is None:
+        return comm.post(x)  # identity: no autograd node needed
+    box: list[PendingAllToAll] = []
+    output = _AllToAll.apply(x, comm, box)
+    pending = box[0]
+    pending.output = output  # the graph-connected tensor (same storage the exchange fills)
+    return pending

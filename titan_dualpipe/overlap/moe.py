@@ -1,0 +1,445 @@
+"""A MoE transformer stage module that overlaps expert-parallel all-to-all with compute.
+
+:class:`MoETransformer` is a decoder-only model (or one pipeline part of it) with
+torchtitan's names: ``tok_embeddings`` (first part), ``layers.<i>``, ``norm`` and
+``output`` (last part). Each :class:`TransformerBlock` runs
+
+    attention (pre-norm, causal) -> router (top-k) -> dispatch all-to-all ->
+    local experts -> combine all-to-all -> gate-weighted sum + residual
+
+Experts are split over an expert-parallel group (:func:`expert_parallel`): each rank
+keeps ``num_experts / ep`` of them. Routing uses a fixed capacity per (source rank,
+expert), so every all-to-all has a static size; tokens over capacity are dropped
+(they keep their residual). A plain ``module(x)`` + ``loss.backward()`` works and is the
+reference; the exchanges are autograd functions there.
+
+Overlap. A block's forward is cut into three segments at its two exchanges
+(``attention``: attention + router + dispatch packing, ``experts``, ``combine``), each a
+call of the block module (so FSDP2 hooks run per segment), and both the plain and the
+overlapped path run the same segment code (:meth:`MoETransformer.forward_steps`). The
+backward is cut at the same points (:meth:`MoETransformer.backward_steps`): combine ->
+reverse combine exchange -> experts -> reverse dispatch exchange -> attention.
+:meth:`MoETransformer.overlapped_forward_backward` (the runtime's
+:class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`) interleaves the
+forward microbatch's segments with the backward microbatch's, so each half's exchange
+is in flight while the other half computes. Results equal the plain path bit for bit:
+every tensor crossing a segment boundary gets at most two gradient contributions.
+
+The forward saves its segment boundaries in the autograd metadata of its output's
+node, where the backward half finds them from the tensors it backpropagates; they are
+released when a backward (either path) has passed them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import Node
+from torch.utils.checkpoint import checkpoint
+
+from .comm import ExpertParallelComm, all_to_all
+from .segments import SegmentLeaves, Step, boundary, interleave, run_to_completion, segment_backward
+
+_RECORD_KEY = "titan_dualpipe.moe_boundaries"
+SEGMENTS = ("attention", "experts", "combine")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    vocab_size: int = 64
+    dim: int = 32
+    n_layers: int = 4
+    n_heads: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    moe_inter_dim: int = 64
+    capacity_factor: float = 1.25
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "num_experts", "top_k", "moe_inter_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoEArgs.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"MoEArgs.dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEArgs.top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"MoEArgs.capacity_factor must be > 0, got {self.capacity_factor}")
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for ``tokens`` tokens of one source rank."""
+        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        heads = [w(x).view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv)]
+        out = F.scaled_dot_product_attention(*heads, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.top_k = args.top_k
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised gate weights and expert ids, both ``[tokens, top_k]``."""
+        probs = F.softmax(self.gate(x), dim=-1)
+        top_w, top_e = probs.topk(self.top_k, dim=-1)
+        return top_w / top_w.sum(dim=-1, keepdim=True), top_e
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts; ``w1``/``w3``: ``[experts, dim, hidden]``, ``w2``: ``[experts, hidden, dim]``
+    (so their gradients come out contiguous)."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        e, d, h = args.num_experts, args.dim, args.moe_inter_dim
+        self.w1 = nn.Parameter(torch.empty(e, d, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, d))
+        self.w3 = nn.Parameter(torch.empty(e, d, h))
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[local experts, tokens, dim]``."""
+        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+
+
+@dataclass
+class Routing:
+    """Where each (token, choice) went: ``slot`` indexes ``[experts * capacity]`` (a
+    dropped choice points at the extra zero row), ``token_of_slot`` the reverse."""
+
+    slot: torch.Tensor
+    token_of_slot: torch.Tensor
+    capacity: int
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = TokenChoiceTopKRouter(args)
+        self.experts = GroupedExperts(args)
+        self.comm = ExpertParallelComm()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.experts.w1.shape[0]
+
+    def use_expert_parallel(self, comm: ExpertParallelComm) -> None:
+        """Keep only this rank's experts (``num_experts / ep`` consecutive ones)."""
+        ep, e = comm.size, self.args.num_experts
+        if self.num_local_experts != e:
+            raise ValueError(f"experts are already split ({self.num_local_experts} of {e} kept): split them once")
+        if e % ep:
+            raise ValueError(f"num_experts={e} is not divisible by the expert-parallel size {ep}: pick a divisor")
+        local = slice(comm.rank * (e // ep), (comm.rank + 1) * (e // ep))
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                setattr(self.experts, name, nn.Parameter(getattr(self.experts, name)[local].clone()))
+        self.comm = comm
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+        """Tokens ``[T, dim]`` -> dispatch buffer ``[ep, local experts, capacity, dim]``,
+        gate weights ``[T, top_k]``, routing."""
+        weights, experts = self.router(x)
+        tokens, k, e = x.shape[0], self.args.top_k, self.args.num_experts
+        capacity = self.args.capacity(tokens)
+        with torch.no_grad():
+            flat = experts.reshape(-1)  # token-major: earlier tokens win the slots
+            position = (F.one_hot(flat, e).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+            slot = torch.where(position < capacity, flat * capacity + position, e * capacity)
+            token_of_slot = torch.full((e * capacity + 1,), tokens, dtype=torch.long, device=x.device)
+            token_of_slot[slot] = torch.arange(tokens * k, device=x.device) // k
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row `tokens`: empty slot
+        send = padded[token_of_slot[:-1].view(self.comm.size, self.num_local_experts, capacity)]
+        return send, weights, Routing(slot, token_of_slot, capacity)
+
+    def run_experts(self, received: torch.Tensor) -> torch.Tensor:
+        """``[ep sources, local experts, capacity, dim]`` -> the same layout, ready to send back."""
+        ep, local, capacity, dim = received.shape
+        x = received.transpose(0, 1).reshape(local, ep * capacity, dim)
+        y = self.experts(x)
+        return y.view(local, ep, capacity, dim).transpose(0, 1).contiguous()
+
+    def combine(self, combined: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Expert outputs back at their source ``[ep, local, capacity, dim]`` -> ``[T, dim]``."""
+        dim = combined.shape[-1]
+        rows = torch.cat([combined.reshape(-1, dim), combined.new_zeros(1, dim)])
+        picked = rows.index_select(0, routing.slot).view(*weights.shape, dim)
+        return (picked * weights.unsqueeze(-1)).sum(dim=1)
+
+
+@dataclass
+class LayerBoundaries:
+    """One block's segment boundaries for one microbatch: raw producer outputs (the
+    roots of a segment backward) and the aliases their consumers read (its captures)."""
+
+    h_in: torch.Tensor  # alias of the block input
+    h_attn: torch.Tensor  # residual stream after attention (raw)
+    h_attn_in: torch.Tensor  # its alias read by the combine segment
+    weights: torch.Tensor  # gate weights (raw)
+    weights_in: torch.Tensor  # their alias read by the combine segment
+    send: torch.Tensor  # dispatch buffer (raw)
+    received: torch.Tensor  # alias of the dispatch exchange's output
+    expert_out: torch.Tensor  # experts' output (raw)
+    combined: torch.Tensor  # alias of the combine exchange's output
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention + MoE. ``block(h)`` runs it whole; the stage module calls one
+    segment at a time: ``block(h, segment="attention")`` etc. (see the module docstring)."""
+
+    def __init__(self, args: MoEArgs, activation_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.activation_checkpoint = activation_checkpoint
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(args)
+
+    def forward(self, *inputs: Any, segment: str | None = None) -> Any:
+        if segment is None:
+            return run_to_completion(self.forward_steps(inputs[0], [], via_call=False))
+        return self._segment(segment)(*inputs)
+
+    def _segment(self, name: str):
+        if name not in SEGMENTS:
+            raise ValueError(f"unknown segment {name!r}: use one of {SEGMENTS}")
+        return getattr(self, f"_{name}_segment")
+
+    def _maybe_checkpoint(self, fn, *args: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpoint and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _attend(self, h: torch.Tensor) -> torch.Tensor:
+        return self.attention(self.attention_norm(h))
+
+    def _attention_segment(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routing]:
+        h_attn = h + self._maybe_checkpoint(self._attend, h)
+        send, weights, routing = self.moe.route(self.ffn_norm(h_attn).flatten(0, 1))
+        return h_attn, send, weights, routing
+
+    def _experts_segment(self, received: torch.Tensor) -> torch.Tensor:
+        return self._maybe_checkpoint(self.moe.run_experts, received)
+
+    def _combine_segment(
+        self, combined: torch.Tensor, weights: torch.Tensor, h_attn: torch.Tensor, routing: Routing
+    ) -> torch.Tensor:
+        return h_attn + self.moe.combine(combined, weights, routing).view_as(h_attn)
+
+    def forward_steps(self, h: torch.Tensor, record: list[LayerBoundaries], via_call: bool = True) -> Step[torch.Tensor]:
+        """The block's forward, yielding at each exchange; appends its boundaries to ``record``."""
+
+        def run(name: str, *args: Any) -> Any:
+            return self(*args, segment=name) if via_call else self._segment(name)(*args)
+
+        h_in = boundary(h)
+        h_attn, send, weights, routing = run("attention", h_in)
+        dispatch = all_to_all(send, self.moe.comm)
+        yield dispatch
+        received = boundary(dispatch.output)
+        expert_out = run("experts", received)
+        combine = all_to_all(expert_out, self.moe.comm)
+        yield combine
+        combined, h_attn_in, weights_in = boundary(combine.output), boundary(h_attn), boundary(weights)
+        out = run("combine", combined, weights_in, h_attn_in, routing)
+        record.append(LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, send, received, expert_out, combined))
+        return out
+
+    def backward_steps(
+        self, b: LayerBoundaries, out: torch.Tensor, grad: torch.Tensor | None, leaves: SegmentLeaves
+    ) -> Step[torch.Tensor | None]:
+        """Backward of the block output ``out`` with gradient ``grad``, yielding at each
+        reverse exchange; returns the gradient of the block input."""
+        g_combined, g_weights, g_attn = segment_backward([out], [grad], [b.combined, b.weights_in, b.h_attn_in], leaves)
+        reverse = self.moe.comm.post(_grad_or_zeros(g_combined, b.combined))
+        yield reverse
+        (g_received,) = segment_backward([b.expert_out], [reverse.output], [b.received], leaves)
+        reverse = self.moe.comm.post(_grad_or_zeros(g_received, b.received))
+        yield reverse
+        (g_in,) = segment_backward([b.h_attn, b.send, b.weights], [g_attn, reverse.output, g_weights], [b.h_in], leaves)
+        return g_in
+
+
+def _grad_or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Both ranks must still exchange when no gradient reached this rank's buffer."""
+    return torch.zeros_like(like) if grad is None else grad
+
+
+@dataclass
+class StageRecord:
+    """What one forward saved for its backward half (see the module docstring)."""
+
+    entry: torch.Tensor | None  # embedding output, or the stage input as the layers read it
+    layers: list[LayerBoundaries] = field(default_factory=list)
+    outs: list[torch.Tensor] = field(default_factory=list)  # block outputs, but not the stage output
+    exit: torch.Tensor | None = None  # alias of the last block output read by norm + head
+
+    def release(self) -> None:
+        self.entry, self.layers, self.outs, self.exit = None, [], [], None
+
+
+class MoETransformer(nn.Module):
+    """Token embedding -> MoE blocks -> norm -> vocab head; a pipeline part may lack the
+    embedding (not first) or the norm and head (not last). See the module docstring."""
+
+    def __init__(self, args: MoEArgs, activation_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, activation_checkpoint) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_to_completion(self.forward_steps(x))
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward_steps(self, x: torch.Tensor) -> Step[torch.Tensor]:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        record = StageRecord(entry=h)
+        for i, block in enumerate(self.layers.values()):
+            if i:
+                record.outs.append(h)
+            h = yield from block.forward_steps(h, record.layers)
+        if self.output is not None:
+            record.outs.append(h)
+            record.exit = boundary(h)
+            h = self.output(self.norm(record.exit))
+        _attach(h, record)
+        return h
+
+    # -- backward ----------------------------------------------------------------------------
+    def backward_steps(
+        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
+    ) -> Step[None]:
+        """``torch.autograd.backward(outputs, grads)`` for outputs of this module's forward
+        (the stage output, or a loss computed from it), one segment at a time."""
+        grads = list(grads) if grads is not None else [None] * len(outputs)
+        node, record = _find_record(outputs)
+        entry, layers, outs, exit_ = record.entry, record.layers, record.outs, record.exit
+        record.release()
+        del node.metadata[_RECORD_KEY]
+        leaves = SegmentLeaves()
+        if exit_ is not None:  # norm + head (+ loss): down to the last block's output
+            (grad,) = segment_backward(outputs, grads, [exit_], leaves)
+            out = outs.pop()
+        else:
+            (out,), (grad,) = outputs, grads
+        for i, block in reversed(list(enumerate(self.layers.values()))):
+            grad = yield from block.backward_steps(layers[i], out, grad, leaves)
+            out = outs.pop() if i else entry
+        segment_backward([out], [grad], [], leaves)  # embedding, or the stage input's .grad
+
+    # -- overlap -----------------------------------------------------------------------------
+    @classmethod
+    def overlapped_forward_backward(
+        cls,
+        forward_module: nn.Module,
+        forward_args: tuple[Any, ...],
+        forward_kwargs: dict[str, Any],
+        backward_module: nn.Module,
+        backward_inputs: list[Any],
+        backward_outputs: list[torch.Tensor],
+        backward_output_grads: list[torch.Tensor | None] | None,
+    ) -> Any:
+        """The runtime's overlapped pair (see the module docstring); returns the forward's output."""
+        forward = forward_module.forward_steps(*forward_args, **forward_kwargs)
+        backward = backward_module.backward_steps(backward_outputs, backward_output_grads)
+        output, _ = interleave(forward, backward)
+        return output
+
+
+def _attach(output: torch.Tensor, record: StageRecord) -> None:
+    """Keep ``record`` with the output's autograd node; drop it once a backward passed the entry."""
+    if output.grad_fn is None or record.entry is None or not record.entry.requires_grad:
+        return
+    output.grad_fn.metadata[_RECORD_KEY] = record
+    # The entry is `tok_embeddings(x)` or the stage input, whose gradient every backward
+    # (plain, split input/weight, or ours) computes last: free the boundaries then.
+    ref = weakref.ref(record)
+    hook_on = record.layers[0].h_in if record.layers else record.entry
+    if not hook_on.is_leaf:
+        hook_on.register_hook(lambda grad: _release(ref))
+
+
+def _release(ref: weakref.ref) -> None:
+    record = ref()
+    if record is not None:
+        record.release()
+
+
+def _find_record(outputs: Sequence[torch.Tensor], limit: int = 10_000) -> tuple[Node, StageRecord]:
+    """The record of the forward these outputs (or a loss computed from them) come from."""
+    queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set[int] = set()
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        record = node.metadata.get(_RECORD_KEY)
+        if record is not None:
+            if record.entry is None:
+                raise RuntimeError("this microbatch's backward already ran (its segment boundaries were released)")
+            return node, record
+        queue.extend(child for child, _ in node.next_functions if child is not None)
+    raise ValueError(
+        "backward_outputs do not come from a MoETransformer forward with gradients enabled: pass the "
+        "stage outputs, or a loss computed from them only"
+    )
+
+
+def split_parts(model: MoETransformer, n_parts: int) -> list[MoETransformer]:
+    """``n_parts`` deep copies of ``model``, each keeping a contiguous run of blocks (names
+    unchanged); part 0 keeps the embedding, the last part the norm and head."""
+    n_layers = len(model.layers)
+    if not 1 <= n_parts <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_parts} parts: use 1..{n_layers} parts")
+    bounds = [round(i * n_layers / n_parts) for i in range(n_parts + 1)]
+    parts = []
+    for i in range(n_parts):
+        part = copy.deepcopy(model)
+        keep = {str(j) for j in range(bounds[i], bounds[i + 1])}
+        for name in [n for n in part.layers if n not in keep]:
+            del part.layers[name]
+        if i:
+            part.tok_embeddings = None
+        if i != n_parts - 1:
+            part.norm = part.output = None
+        parts.append(part)
+    return parts
+
+
+def expert_parallel(module: nn.Module, comm: ExpertParallelComm) -> None:
+    """Split every MoE layer of ``module`` over ``comm``'s group (call before FSDP wrapping);
+    give all stage modules of a rank the same ``comm``."""
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    if not moes:
+        raise ValueError(f"{type(module).__name__} has no MoE layers to split")
+    for moe in moes:
+        moe.use_expert_parallel(comm)

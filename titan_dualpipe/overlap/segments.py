@@ -1,0 +1,160 @@
+"""Building blocks for an overlapped pair: step generators and segment-wise backward.
+
+A *step* is a generator that computes up to a communication point, yields the in-flight
+handle (anything with ``wait()``), and is resumed once that handle was waited; its
+return value is the result. :func:`run_to_completion` waits each handle at once (the
+plain path); :func:`interleave` alternates two steps so that one's communication is in
+flight while the other computes. Both are single-threaded and deterministic, so every
+rank of a group posts its collectives in the same order, and an exception surfaces on
+the rank that raised it.
+
+The backward half is split the same way. A module's forward marks each segment's
+inputs with :func:`boundary` (a fresh alias per consumer); :func:`segment_backward`
+then runs autograd from a segment's outputs down to those aliases only, accumulating
+its parameters' gradients, and returns the aliases' gradients for the next segment.
+Each call runs exactly the autograd nodes the plain backward runs for that segment, so
+the results are bitwise equal provided every tensor that crosses a segment boundary
+gets at most two gradient contributions (floating-point addition of two terms is
+commutative; a longer sum could be accumulated in another order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator, Protocol, Sequence, TypeVar
+
+import torch
+from torch.autograd.graph import Node, get_gradient_edge
+
+T = TypeVar("T")
+
+
+class Waitable(Protocol):
+    def wait(self) -> Any: ...
+
+
+Step = Generator[Waitable, None, T]
+
+
+def run_to_completion(step: Step[T]) -> T:
+    """Run a step, waiting each communication handle as soon as it is yielded."""
+    try:
+        pending = next(step)
+        while True:
+            pending.wait()
+            pending = step.send(None)
+    except StopIteration as done:
+        return done.value
+
+
+def interleave(first: Step[Any], second: Step[Any]) -> tuple[Any, Any]:
+    """Run two steps alternately, switching at every communication point.
+
+    ``first`` runs until it posts its first exchange, then ``second`` runs until it posts
+    one, then ``first`` resumes after waiting its handle, and so on; when one finishes,
+    the other runs on alone. Returns both results.
+    """
+    steps = (first, second)
+    pending: list[Waitable | None] = [None, None]
+    results: list[Any] = [None, None]
+    running = [True, True]
+    turn = 0
+    try:
+        while running[0] or running[1]:
+            if not running[turn]:
+                turn = 1 - turn
+            if pending[turn] is not None:
+                pending[turn].wait()  # type: ignore[union-attr]
+                pending[turn] = None
+            try:
+                pending[turn] = steps[turn].send(None)
+            except StopIteration as done:
+                results[turn], running[turn] = done.value, False
+            turn = 1 - turn
+    finally:
+        for step in steps:
+            step.close()
+    return results[0], results[1]
+
+
+def boundary(t: torch.Tensor) -> torch.Tensor:
+    """A fresh alias of ``t`` for one consuming segment.
+
+    Its grad_fn is a view node that saves no tensors: the segment backward that
+    captures its gradient runs that node (``backward(inputs=...)`` does) without
+    running, or freeing, the producer behind it.
+    """
+    return t.view_as(t) if t.requires_grad else t
+
+
+class SegmentLeaves:
+    """The leaves (parameters, stage inputs) each segment backward of one pass accumulates into.
+
+    A leaf reached from two segments (e.g. tied weights) would be accumulated once per
+    segment, in another order than the plain backward: that is refused.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, torch.Tensor] = {}
+
+    def claim(self, leaves: list[torch.Tensor]) -> None:
+        for leaf in leaves:
+            if id(leaf) in self._seen:
+                raise ValueError(
+                    f"a tensor of shape {tuple(leaf.shape)} gets gradients from two segments of one backward "
+                    "(tied or shared parameters?): each parameter must be used by one segment only"
+                )
+            self._seen[id(leaf)] = leaf
+
+
+def _reachable_leaves(roots: Sequence[torch.Tensor], captures: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaves requiring grad behind ``roots``, not looking past the ``captures``."""
+    stops = {(id(edge.node), edge.output_nr) for edge in map(get_gradient_edge, captures)}
+    alive: list[Node] = [get_gradient_edge(c).node for c in captures]  # keeps the ids above valid
+    leaves: list[torch.Tensor] = [r for r in roots if r.is_leaf and r.requires_grad]
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        alive.append(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            leaves.append(variable)
+            continue
+        for child, output_nr in node.next_functions:
+            if child is not None and (id(child), output_nr) not in stops:
+                stack.append(child)
+    return leaves
+
+
+def segment_backward(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    captures: Sequence[torch.Tensor],
+    leaves_claimed: SegmentLeaves | None = None,
+) -> list[torch.Tensor | None]:
+    """Backpropagate ``grads`` from ``roots`` down to ``captures`` (aliases made by
+    :func:`boundary`); accumulate the gradients of the leaves in between into their
+    ``.grad`` and return the captures' gradients (None where nothing reached one)."""
+    kept = [(r, g) for r, g in zip(roots, grads, strict=True)
+            if r.requires_grad and (g is not None or r.numel() == 1)]
+    wanted = [c for c in captures if c.requires_grad]
+    for c in wanted:
+        if c.is_leaf:
+            raise ValueError("segment_backward captures must be boundary() aliases, got a leaf tensor")
+    leaves = _reachable_leaves([r for r, _ in kept], wanted)
+    if leaves_claimed is not None:
+        leaves_claimed.claim(leaves)
+    if kept and (wanted or leaves):
+        torch.autograd.backward([r for r, _ in kept], [g for _, g in kept], inputs=wanted + leaves)
+    result: list[torch.Tensor | None] = []
+    for c in captures:
+        result.append(c.grad if c.requires_grad else None)
+        if c.requires_grad:
+            c.grad = None
+    for r, _ in kept:
+        if r.retains_grad:  # a former capture used as a root: drop the copy autograd kept
+            r.grad = None
+    return result
