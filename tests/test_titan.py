@@ -1,12 +1,14 @@
 """torchtitan integration: end-to-end CPU runs (2 processes, gloo) and config checks.
 
 The end-to-end runs are module fixtures shared by several tests, so each configuration is
-trained once: DualPipe (with checkpoints, the twin probe), its 1F1B twin config, DualPipeV,
-DualPipeV from a CSV (launched from another directory), a resume, and one bad config.
+trained once: DualPipe (with checkpoints, the twin probe), its 1F1B twin config, DualPipeV
+(overlapped pairs run sequentially), DualPipeV from a CSV (launched from another directory), a
+resume, one bad config, and DualPipe on the MoE debug model with expert parallelism (4 processes).
 
 This file is also imported inside the trainer processes (``--experimental.custom_import
 test_titan``) when ``PROBE_ENV`` is set: it then records, at ``Trainer.close``, each rank's
-schedule class and a hash of every parameter of every stage.
+schedule class, its ``overlap`` setting and a hash of every parameter (and MoE expert bias)
+of every stage.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _param_hashes(module) -> dict[str, str]:
+    """Parameters and MoE expert biases (routing state), this rank's shard of each."""
+    tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n.endswith("expert_bias"))]
     return {
-        name: hashlib.sha1(p.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
-        for name, p in module.named_parameters()
+        name: hashlib.sha1(getattr(t, "to_local", t.detach)().detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+        for name, t in tensors
     }
 
 
@@ -59,6 +63,7 @@ def _install_probe(out_dir: str) -> None:
             record = {
                 "schedule_mro": [c.__module__ + "." + c.__name__ for c in type(schedule).__mro__],
                 "overlap_callback": OVERLAP_F_B in schedule._comp_type_to_function_map,
+                "overlap": getattr(schedule, "overlap", None),
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
             }
             path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
@@ -101,8 +106,8 @@ class Run:
 
 
 def train(config: Path, out_dir: Path, *overrides: str, cwd: Path = ROOT, probe: bool = False,
-          torchrun: bool = False, env: dict[str, str] | None = None) -> Run:
-    """2 processes, every rank's output shown with its "[rankN]:" prefix.
+          torchrun: bool = False, env: dict[str, str] | None = None, nproc: int = 2, steps: int = STEPS) -> Run:
+    """``nproc`` processes, every rank's output shown with its "[rankN]:" prefix.
 
     ``python -m titan_dualpipe train`` by default; ``torchrun=True`` runs the plain cluster
     command (``torchrun ... -m torchtitan.train``), which loads us through ``custom_import``.
@@ -117,8 +122,8 @@ def train(config: Path, out_dir: Path, *overrides: str, cwd: Path = ROOT, probe:
         launcher = ["torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0,1",
                     "--role", "rank", "--tee", "3", "-m", "torchtitan.train", "--job.config_file", str(config)]
     else:
-        launcher = ["titan_dualpipe", "train", str(config), "--nproc", "2", "--log-ranks", "all"]
-    cmd = [sys.executable, "-m", *launcher, "--job.dump_folder", str(out_dir), "--training.steps", str(STEPS),
+        launcher = ["titan_dualpipe", "train", str(config), "--nproc", str(nproc), "--log-ranks", "all"]
+    cmd = [sys.executable, "-m", *launcher, "--job.dump_folder", str(out_dir), "--training.steps", str(steps),
            *overrides]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -151,15 +156,16 @@ def one_f_one_b_run(runs_dir: Path) -> Run:
 
 @pytest.fixture(scope="module")
 def dualpipev_run(runs_dir: Path) -> Run:
-    return _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "dualpipev", probe=True))
+    return _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "dualpipev",
+                     "--parallelism.no-pipeline-parallel-expert-parallel-overlap", probe=True))
 
 
 # ---------------------------------------------------------------------------------------------
 # End-to-end
 
 
-def _assert_trains(losses: dict[int, float]) -> None:
-    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+def _assert_trains(losses: dict[int, float], steps: int = STEPS) -> None:
+    assert sorted(losses) == list(range(1, steps + 1)), losses
     values = [losses[s] for s in sorted(losses)]
     assert all(math.isfinite(v) and v > 0 for v in values), values
     assert values[-1] < values[0] - 1.0, f"loss did not fall: {values}"
@@ -180,13 +186,17 @@ def test_dualpipe_matches_1f1b(dualpipe_run: Run, one_f_one_b_run: Run) -> None:
     _assert_close(dualpipe_run.grad_norms(), one_f_one_b_run.grad_norms(rank=1), rel=1e-4)
 
 
+def _assert_twins_identical(run: Run, rank0: int = 0, rank1: int = 1) -> None:
+    """pp=2: pipeline rank 0 holds stages 0 (part 0) and 3 (part 1); rank 1 holds 1 (part 1) and 2 (part 0)."""
+    first, second = run.probe(rank0)["stages"], run.probe(rank1)["stages"]
+    assert set(first) == {"0", "3"} and set(second) == {"1", "2"}
+    assert first["0"] == second["2"] and first["0"]
+    assert second["1"] == first["3"] and second["1"]
+    assert first["0"].keys().isdisjoint(first["3"].keys())
+
+
 def test_dualpipe_twins_identical_at_end(dualpipe_run: Run) -> None:
-    rank0, rank1 = dualpipe_run.probe(0)["stages"], dualpipe_run.probe(1)["stages"]
-    # pp=2: rank 0 holds stages 0 (part 0) and 3 (part 1); rank 1 holds 1 (part 1) and 2 (part 0).
-    assert set(rank0) == {"0", "3"} and set(rank1) == {"1", "2"}
-    assert rank0["0"] == rank1["2"] and rank0["0"]
-    assert rank1["1"] == rank0["3"] and rank1["1"]
-    assert rank0["0"].keys().isdisjoint(rank0["3"].keys())
+    _assert_twins_identical(dualpipe_run)
 
 
 def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run, dualpipev_run: Run) -> None:
@@ -196,6 +206,8 @@ def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run,
             assert record["schedule_mro"][0] == f"titan_dualpipe.runtime.schedules.{name}"
             assert "torch.distributed.pipelining.schedules.ScheduleDualPipeV" not in record["schedule_mro"]
             assert not record["overlap_callback"]
+            # [parallelism] pipeline_parallel_expert_parallel_overlap: default true, off for the DualPipeV run
+            assert record["overlap"] is (run is dualpipe_run)
 
 
 def test_loss_logged_on_every_rank(dualpipe_run: Run, dualpipev_run: Run) -> None:
@@ -215,7 +227,8 @@ def test_dualpipev_trains_close_to_1f1b(dualpipev_run: Run, one_f_one_b_run: Run
 
 def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipev_run: Run) -> None:
     """A DualPipeV CSV from `titan-dualpipe csv` gives the built-in order's losses. Run from
-    outside the repository: shipped tokenizer and dataset are found through the package."""
+    outside the repository: shipped tokenizer and dataset are found through the package.
+    Its overlapped pairs overlap; the reference run ran them sequentially: same losses."""
     from titan_dualpipe.cli import main as cli_main
 
     csv = runs_dir / "dualpipev_pp2_n8.csv"
@@ -225,6 +238,7 @@ def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipe
     run = _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "csv",
                     "--parallelism.pipeline_parallel_schedule_csv", str(csv), cwd=elsewhere))
     assert "from " + str(csv) in run.output
+    assert "pairs run sequentially" in dualpipev_run.output and "pairs run sequentially" not in run.output
     _assert_close(run.losses(), dualpipev_run.losses(), rel=1e-6)
 
 
@@ -255,6 +269,20 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
         assert re.search(rf"\[rank{rank}\]:ValueError: {re.escape(message)}", text), text[-4000:]
     assert "Successfully created meshes" not in text  # stopped before the process group was used
     assert run.seconds < 120
+
+
+def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
+    """deepseek_v3 MoE debug model, pp=2 x EP 2 on CPU. Twins (global ranks 0/2 and 1/3 hold
+    the same parts, same expert shard) end with identical weights and expert biases: each
+    copy counts the twin's routed tokens too before the bias update."""
+    steps = 5
+    run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe", probe=True, nproc=4, steps=steps))
+    _assert_trains(run.losses(), steps)
+    logged = run.logged()
+    assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
+    assert any(name.endswith("moe.expert_bias") for name in run.probe(0)["stages"]["0"])
+    _assert_twins_identical(run, 0, 2)
+    _assert_twins_identical(run, 1, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +368,44 @@ def test_schedule_names_resolve_case_insensitively_and_others_unchanged() -> Non
         assert lookup(name) is torch_schedules.get_schedule_class(name)
     with pytest.raises(ValueError, match="Unknown schedule name 'DualPipeX'"):
         lookup("DualPipeX")
+
+
+def test_dual_pipe_v_flag_off_for_our_names_only() -> None:
+    """torchtitan's EP SyncHooks / AC refusal keyed on "dualpipev": not for our schedules."""
+    from types import SimpleNamespace
+
+    import titan_dualpipe.titan  # noqa: F401 - installs the patches
+    from torchtitan.distributed import dual_pipe_v
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from titan_dualpipe.titan.pipeline import make_dual_pipe_v_flag
+
+    def job(name: str) -> SimpleNamespace:
+        par = SimpleNamespace(pipeline_parallel_schedule=name, pipeline_parallel_expert_parallel_overlap=True)
+        return SimpleNamespace(parallelism=par, activation_checkpoint=SimpleNamespace(mode="full"))
+
+    dims = SimpleNamespace(ep_enabled=True, pp_enabled=True)
+    parallelize = sys.modules[get_train_spec("deepseek_v3").parallelize_fn.__module__]
+    for flag in (dual_pipe_v.get_dual_pipe_v_flag, parallelize.get_dual_pipe_v_flag):
+        assert flag(job("DualPipeV"), dims) is False  # torchtitan's own raises NotImplementedError (AC)
+    flag = make_dual_pipe_v_flag(lambda job, dims: "torchtitan's answer")
+    assert flag(job("dualpipev"), dims) is False and flag(job("DualPipe"), dims) is False
+    assert flag(job("1F1B"), dims) == flag(job("ZBVZeroBubble"), dims) == "torchtitan's answer"
+
+
+def test_cpu_integer_histc_is_exact() -> None:
+    import torch
+
+    from titan_dualpipe.titan.cpu_moe import TorchWithIntegerHistc
+
+    histc = TorchWithIntegerHistc().histc
+    values = torch.randint(-3, 12, (1000,), generator=torch.Generator().manual_seed(0))
+    for bins, low, high in ((8, 0, 8), (5, 0, 10), (4, -2, 2), (3, 0, 0)):
+        counts = histc(values, bins=bins, min=low, max=high)
+        assert counts.dtype == torch.int64
+        assert torch.equal(counts, torch.histc(values.double(), bins, low, high).long())
+    floats = torch.rand(100)
+    assert torch.equal(histc(floats, bins=4, min=0, max=1), torch.histc(floats, 4, 0, 1))
 
 
 def test_cpu_mode_only_without_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,11 @@ torchtitan assumes an accelerator. Three things break without one, each fixed he
 3. ``set_pg_timeouts`` calls ``barrier(device_ids=[device_module.current_device()])``;
    ``torch.cpu.current_device()`` returns the string ``"cpu"``, which is not a device id.
    ``CpuDeviceModule.current_device()`` returns index 0.
+4. FSDP: torchtitan's ``disable_fsdp_gradient_division`` sets each FSDP module's gradient
+   divide factor to 1, which FSDP2 turns into a ``ReduceOp.PREMUL_SUM(1.0)`` reduce-scatter,
+   an op gloo lacks. The same call now also asks for SUM-only collectives
+   (``set_force_sum_reduction_for_comms``): a SUM and a division by 1, the same gradients.
+5. MoE layers use an integer ``torch.histc`` and a Triton kernel: :mod:`.cpu_moe`.
 
 :func:`enable` does nothing when an accelerator is present (``torch._utils.
 _get_available_device_type()`` is not None), so GPU runs are unchanged.
@@ -24,9 +29,13 @@ import platform
 import resource
 import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from . import cpu_moe
 
 # torchtitan modules that bind device_type / device_module at import time.
 _DEVICE_TYPE_MODULES = (
@@ -35,6 +44,9 @@ _DEVICE_TYPE_MODULES = (
     "torchtitan.distributed.parallel_dims",
     "torchtitan.distributed.utils",
 )
+# Modules whose apply_fsdp calls their global disable_fsdp_gradient_division (llama3's own;
+# llama4's, which deepseek_v3, qwen3 and gpt_oss use).
+_FSDP_DIVISION_MODULES = ("torchtitan.models.llama3.infra.parallelize", "torchtitan.models.llama4.infra.parallelize")
 _DEVICE_MODULE_MODULES = (
     "torchtitan.tools.utils",
     "torchtitan.components.metrics",
@@ -76,6 +88,24 @@ class CpuDeviceModule:
         """The CPU allocator keeps no cache to release."""
 
 
+def with_sum_only_reductions(disable_division: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    def disable_fsdp_gradient_division(model: nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    disable_fsdp_gradient_division._titan_dualpipe = True  # type: ignore[attr-defined]
+    return disable_fsdp_gradient_division
+
+
+def _patch_fsdp_division() -> None:
+    for name in _FSDP_DIVISION_MODULES:
+        module = importlib.import_module(name)
+        if not getattr(module.disable_fsdp_gradient_division, "_titan_dualpipe", False):
+            module.disable_fsdp_gradient_division = with_sum_only_reductions(module.disable_fsdp_gradient_division)
+
+
 def accelerator_present() -> bool:
     return torch._utils._get_available_device_type() is not None
 
@@ -91,4 +121,6 @@ def enable() -> bool:
         importlib.import_module(name).device_module = device_module
     utils = importlib.import_module("torchtitan.tools.utils")
     utils.get_device_info = lambda: ("cpu", device_module)
+    _patch_fsdp_division()
+    cpu_moe.enable()
     return True

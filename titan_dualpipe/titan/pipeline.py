@@ -14,6 +14,14 @@ name on torchtitan's own code path:
 - ``build_pipeline_schedule``: builds our class directly, so torchtitan's threaded
   ``OVERLAP_F_B`` callback (GPU-only, tied to torch's ``ScheduleDualPipeV``) is never
   registered on it, and a CSV order is loaded by our class, whose lowering knows both chains.
+  ``[parallelism] pipeline_parallel_expert_parallel_overlap`` (torchtitan's switch, default
+  true) becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
+
+``get_dual_pipe_v_flag`` (``torchtitan.distributed.dual_pipe_v``, and bound by name in each
+model's ``parallelize`` module: patched there by :func:`patch_dual_pipe_v_flag`) decides by the
+name "dualpipev" to wrap expert parallelism in torchtitan's ``SyncHook``s, which only that
+callback drives, and then refuses activation checkpointing. For our names it returns False:
+our schedules run overlapped pairs themselves. Every other name gets torchtitan's answer.
 """
 
 from __future__ import annotations
@@ -99,22 +107,42 @@ def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
 
         n = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
         # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
-        schedule = schedule_class(ours)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+        overlap = par.pipeline_parallel_expert_parallel_overlap
+        schedule = schedule_class(ours)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False, overlap=overlap)
         if par.pipeline_parallel_schedule_csv:
             schedule._load_csv(par.pipeline_parallel_schedule_csv)
         logger.info(
             f"Using titan_dualpipe {ours} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
             + (f" from {par.pipeline_parallel_schedule_csv}" if par.pipeline_parallel_schedule_csv else "")
+            + ("" if overlap else ", overlapped pairs run sequentially")
         )
         return schedule
 
     return build_pipeline_schedule
 
 
-def install() -> None:
-    """Replace the four names in torchtitan's pipeline module (idempotent)."""
-    from torchtitan.distributed import pipeline_parallel as pp_mod
+def make_dual_pipe_v_flag(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    def get_dual_pipe_v_flag(job_config: Any, parallel_dims: Any) -> bool:
+        if our_schedule(job_config.parallelism.pipeline_parallel_schedule):
+            return False
+        return original(job_config, parallel_dims)
 
+    get_dual_pipe_v_flag._titan_dualpipe = True  # type: ignore[attr-defined]
+    return get_dual_pipe_v_flag
+
+
+def patch_dual_pipe_v_flag(module: Any) -> None:
+    """Replace ``module.get_dual_pipe_v_flag`` if it has one (idempotent)."""
+    original = getattr(module, "get_dual_pipe_v_flag", None)
+    if original is not None and not getattr(original, "_titan_dualpipe", False):
+        module.get_dual_pipe_v_flag = make_dual_pipe_v_flag(original)
+
+
+def install() -> None:
+    """Replace the four names in torchtitan's pipeline module and the DualPipeV flag (idempotent)."""
+    from torchtitan.distributed import dual_pipe_v, pipeline_parallel as pp_mod
+
+    patch_dual_pipe_v_flag(dual_pipe_v)
     if getattr(pp_mod, "_titan_dualpipe_installed", False):
         return
     pp_mod.get_schedule_class = make_get_schedule_class(pp_mod.get_schedule_class)

@@ -11,8 +11,10 @@
   elsewhere. ``MetricsProcessor.log`` takes the loss from pipeline rank 0 on every rank, so
   every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
   ``ensure_pp_loss_visible`` warning about LOG_RANK is moot.
-- ``get_train_spec``: under DualPipe the spec's optimizer builder also registers the MoE twin
-  expert-count sum (:mod:`.moe_twins`).
+- ``get_train_spec``: loading a spec imports the model's ``parallelize`` module, whose bound
+  ``get_dual_pipe_v_flag`` is then patched (:func:`.pipeline.patch_dual_pipe_v_flag`). Under
+  DualPipe the spec's optimizer builder also registers the MoE twin expert-count sum
+  (:mod:`.moe_twins`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable
 from . import data
 from .config_check import check_job_config, our_schedule
 from .moe_twins import with_twin_expert_counts
-from .pipeline import ACTIVE
+from .pipeline import ACTIVE, patch_dual_pipe_v_flag
 
 LOSS_RANK = 0  # pipeline rank holding a last stage for both schedules; global rank 0 too
 
@@ -110,10 +112,11 @@ def _losses_from_loss_rank(parallel_dims: Any, avg: float, peak: float) -> tuple
 
 
 def _make_get_train_spec(original: Callable[[str], Any]) -> Callable[[str], Any]:
-    """DualPipe: the spec's optimizer builder also keeps MoE twins' expert counts equal."""
+    """The model's DualPipeV flag patched; DualPipe: the optimizer builder keeps MoE twins' counts equal."""
 
     def get_train_spec(name: str) -> Any:
         spec = original(name)
+        patch_dual_pipe_v_flag(sys.modules.get(getattr(spec.parallelize_fn, "__module__", None) or ""))
         plan = ACTIVE.plan
         if plan is None or plan.schedule != "DualPipe":
             return spec

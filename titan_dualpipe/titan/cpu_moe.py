@@ -1,0 +1,64 @@
+"""CPU mode for torchtitan 0.2.2's MoE layers (deepseek_v3, llama4, qwen3, gpt_oss).
+
+Applied by :func:`titan_dualpipe.titan.cpu.enable`, so only when there is no accelerator.
+Two things stop the MoE forward on CPU, each fixed in the one torchtitan module that hits it:
+
+1. ``models/moe/moe.py`` counts tokens per expert with ``torch.histc`` on the int64 expert
+   indices; the CPU kernel has no integer version ("histogram_cpu" not implemented for
+   'Long'). That module's ``torch`` becomes :class:`TorchWithIntegerHistc`: ``torch``
+   except that integer ``histc`` is computed exactly (``bincount`` for the unit-width bins
+   torchtitan uses) with the dtype CUDA returns (the input's).
+2. ``models/moe/utils.py`` (expert-parallel token permutation and grouped-mm padding)
+   calls ``generate_permute_indices``, a Triton kernel unless ``use_cpu=True``; there it
+   gets ``use_cpu=True``, torchtitan's own CPU implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+
+
+def integer_histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """``torch.histc`` for an integer tensor, exact, returned in the input's dtype.
+
+    Same rules as histc: values outside ``[min, max]`` are ignored and ``max`` falls in the
+    last bin; ``min == max`` takes the range from the data.
+    """
+    flat = values.reshape(-1)
+    if min == max:
+        if flat.numel() == 0:
+            return torch.zeros(bins, dtype=values.dtype, device=values.device)
+        min, max = flat.min().item(), flat.max().item()
+        if min == max:
+            min, max = min - 1, max + 1  # histc's rule for a constant input
+    if max - min == bins and float(min).is_integer():  # unit bins, as torchtitan's MoE uses
+        kept = flat[(flat >= min) & (flat <= max)] - int(min)
+        return torch.bincount(kept.clamp(max=bins - 1), minlength=bins).to(values.dtype)
+    return torch.histc(flat.double(), bins, min, max).to(values.dtype)  # exact below 2**53
+
+
+class TorchWithIntegerHistc:
+    """``torch`` for one module's global name ``torch``, with integer ``histc`` supported."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, **kwargs: Any) -> torch.Tensor:
+        if values.is_floating_point() or values.is_complex() or kwargs:
+            return torch.histc(values, bins, min, max, **kwargs)
+        return integer_histc(values, bins, min, max)
+
+
+def enable() -> None:
+    """Patch torchtitan's MoE modules for CPU (idempotent)."""
+    moe = importlib.import_module("torchtitan.models.moe.moe")
+    if not isinstance(moe.torch, TorchWithIntegerHistc):
+        moe.torch = TorchWithIntegerHistc()
+    utils = importlib.import_module("torchtitan.models.moe.utils")
+    if not isinstance(utils.generate_permute_indices, functools.partial):
+        utils.generate_permute_indices = functools.partial(utils.generate_permute_indices, use_cpu=True)
