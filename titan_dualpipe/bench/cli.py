@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = {
     "runtime": "titan_dualpipe.bench.runtime",
+    "overlap": "titan_dualpipe.bench.overlap",
 }
 
 

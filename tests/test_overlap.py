@@ -1,0 +1,221 @@
+"""The MoE stage module and its overlapped pairs.
+
+Single-process tests check the segment-wise path against plain autograd bit for bit and
+the scheduling pieces; the pool tests (4 gloo ranks: pp=2 x ep=2) train DualPipeV and
+DualPipe against a single-process reference with overlap on and off, with FSDP2 and
+with torch's own V schedules. The failure test breaks the process groups, so it runs
+last.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import types
+
+import pytest
+import torch
+
+import overlap_cases as cases
+from dist_pool import WorkerPool
+from titan_dualpipe.bench.model import lm_loss
+from titan_dualpipe.overlap.comm import CommStats, EmulatedNetwork, PendingAllToAll
+from titan_dualpipe.overlap.moe import _RECORD_KEY, MoEArgs, MoETransformer, split_parts
+from titan_dualpipe.overlap.segments import SegmentLeaves, interleave, run_to_completion
+
+WORLD = 4
+ARGS = MoEArgs(vocab_size=64, dim=32, n_layers=4, n_heads=2, num_experts=4, top_k=2, capacity_factor=1.0)
+
+
+# -- single process -----------------------------------------------------------------------------
+def _microbatches(last: bool):
+    g = torch.Generator().manual_seed(3)
+    if last:
+        xs = [torch.randn(2, 8, ARGS.dim, generator=g).requires_grad_() for _ in range(2)]
+    else:
+        xs = [torch.randint(0, ARGS.vocab_size, (2, 8), generator=g) for _ in range(2)]
+    return xs, torch.randint(0, ARGS.vocab_size, (2, 8), generator=g)
+
+
+def _backward_args(out: torch.Tensor, target: torch.Tensor, last: bool):
+    if last:
+        return [lm_loss(out, target)], None
+    return [out], [torch.linspace(-1, 1, out.numel()).view_as(out)]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("last", [False, True], ids=["first_part", "last_part"])
+def test_pair_is_bitwise_equal_to_plain_autograd(checkpoint, last):
+    """F(mb1) overlapped with B(mb0) vs plain forward then plain backward: same output,
+    same parameter and input gradients, bit for bit; then a segment-wise backward of mb1."""
+    torch.manual_seed(0)
+    part = split_parts(MoETransformer(ARGS, activation_checkpoint=checkpoint), 2)[int(last)]
+    plain, fused = part, copy.deepcopy(part)
+    (x0, x1), target = _microbatches(last)
+    fx0, fx1 = (x.detach().requires_grad_() if last else x for x in (x0, x1))
+
+    out0 = plain(x0)
+    out1 = plain(x1)
+    torch.autograd.backward(*_backward_args(out0, target, last))
+    fused_out0 = fused(fx0)
+    fused_out1 = MoETransformer.overlapped_forward_backward(
+        fused, (fx1,), {}, fused, [fx0], *_backward_args(fused_out0, target, last))
+
+    assert torch.equal(out1, fused_out1)
+    if last:
+        assert torch.equal(x0.grad, fx0.grad)
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    torch.autograd.backward(*_backward_args(out1, target, last))
+    run_to_completion(fused.backward_steps(*_backward_args(fused_out1, target, last)))
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert torch.equal(p.grad, q.grad), f"second microbatch: {name}"
+
+
+def test_boundaries_are_released_by_a_plain_backward():
+    torch.manual_seed(0)
+    model = MoETransformer(ARGS)
+    out = model(torch.randint(0, ARGS.vocab_size, (2, 8)))
+    record = out.grad_fn.metadata[_RECORD_KEY]
+    assert len(record.layers) == ARGS.n_layers
+    lm_loss(out, torch.zeros(2, 8, dtype=torch.long)).backward()
+    assert record.entry is None and record.layers == []
+
+
+class _Sleep:
+    """A communication handle that is ready ``seconds`` after it was created."""
+
+    def __init__(self, seconds: float, log: list, label: str) -> None:
+        self.ready, self.log, self.label = time.perf_counter() + seconds, log, label
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+        self.log.append(f"waited {self.label}")
+
+
+def _step(name: str, exchanges: int, log: list, seconds: float):
+    for i in range(exchanges):
+        log.append(f"{name}{i}")
+        yield _Sleep(seconds, log, f"{name}{i}")
+    return name
+
+
+def test_interleave_alternates_and_overlaps_waits():
+    log: list = []
+    start = time.perf_counter()
+    assert interleave(_step("F", 3, log, 0.1), _step("B", 2, log, 0.1)) == ("F", "B")
+    overlapped = time.perf_counter() - start
+    assert log == ["F0", "B0", "waited F0", "F1", "waited B0", "B1", "waited F1", "F2", "waited B1", "waited F2"]
+    start = time.perf_counter()
+    run_to_completion(_step("F", 3, [], 0.1)), run_to_completion(_step("B", 2, [], 0.1))
+    sequential = time.perf_counter() - start
+    assert sequential >= 0.5 and overlapped < 0.8 * sequential, (overlapped, sequential)
+
+
+def test_interleave_closes_the_other_half_when_one_raises():
+    closed = []
+
+    def healthy():
+        try:
+            yield _Sleep(0, [], "h")
+            yield _Sleep(0, [], "h")
+        finally:
+            closed.append(True)
+
+    def broken():
+        yield _Sleep(0, [], "b")
+        raise KeyError("boom in one half")
+
+    with pytest.raises(KeyError, match="boom in one half"):
+        interleave(healthy(), broken())
+    assert closed == [True]
+
+
+def test_emulated_network_waits_without_cpu_and_counts_only_blocked_time():
+    net = EmulatedNetwork(latency_s=0.05, bandwidth_bytes_per_s=1e6)
+    assert net.seconds(50_000) == pytest.approx(0.1)
+    stats = CommStats()
+    pending = PendingAllToAll(torch.zeros(1), None, time.perf_counter() + net.seconds(50_000), stats)
+    cpu = time.process_time()
+    pending.wait()
+    assert stats.waited_s >= 0.095 and time.process_time() - cpu < 0.05
+    hidden = PendingAllToAll(torch.zeros(1), None, time.perf_counter() + 0.05, stats)
+    time.sleep(0.06)  # the other half computing
+    before = stats.waited_s
+    hidden.wait()
+    assert stats.waited_s - before < 0.01
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: MoEArgs(dim=30, n_heads=4), "divisible by n_heads"),
+    (lambda: MoEArgs(num_experts=2, top_k=3), "top_k=3 must be <= num_experts=2"),
+    (lambda: MoEArgs(capacity_factor=0), "capacity_factor must be > 0"),
+    (lambda: EmulatedNetwork(latency_s=-1), "latency_s must be a finite number >= 0"),
+    (lambda: EmulatedNetwork(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s must be > 0"),
+    (lambda: split_parts(MoETransformer(ARGS), 5), "cannot split 4 layers into 5 parts"),
+    (lambda: MoETransformer(ARGS).layers["0"].moe.use_expert_parallel(types.SimpleNamespace(size=3, rank=0)),
+     "num_experts=4 is not divisible by the expert-parallel size 3"),
+    (lambda: MoETransformer(ARGS).layers["0"](torch.zeros(1, 2, ARGS.dim), segment="router"), "unknown segment 'router'"),
+    (lambda: run_to_completion(MoETransformer(ARGS).backward_steps([torch.ones(2, requires_grad=True) * 2], None)),
+     "do not come from a MoETransformer forward"),
+])
+def test_bad_input_raises_value_error(make, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
+        make()
+
+
+def test_a_leaf_shared_by_two_segments_is_refused():
+    leaves, shared = SegmentLeaves(), torch.zeros(3, requires_grad=True)
+    leaves.claim([shared])
+    with pytest.raises(ValueError, match="gradients from two segments"):
+        leaves.claim([shared])
+
+
+# -- 4 ranks: pp=2 x ep=2 -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S)
+    yield p
+    p.close(kill=True)  # the last test leaves the process groups broken
+
+
+def _check_numerics(results: list[dict], schedule: str, n: int) -> None:
+    assert all(r["grad_err"] <= cases.ATOL for r in results)
+    twin_factor = 2 if schedule == "DualPipe" else 1  # both pipeline ends compute every loss
+    # per pipeline: 2 steps x 2 runs (overlap on, off) x n losses on each rank holding a loss
+    assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
+    assert all(r["bitwise_tensors"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("schedule,n,checkpoint", [
+    ("DualPipeV", 4, False), ("DualPipeV", 5, True), ("DualPipe", 4, False), ("DualPipe", 6, True),
+])
+def test_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, schedule, n, checkpoint):
+    results = pool.run(cases.moe_numerics, schedule=schedule, n=n, checkpoint=checkpoint)
+    _check_numerics(results, schedule, n)
+
+
+@pytest.mark.parametrize("schedule,n,checkpoint", [("DualPipeV", 4, False), ("DualPipe", 4, True)])
+def test_moe_pipeline_with_fsdp2(pool, schedule, n, checkpoint):
+    """fully_shard per block and per stage over the expert-parallel ranks (experts kept local)."""
+    results = pool.run(cases.moe_numerics, schedule=schedule, n=n, checkpoint=checkpoint, fsdp=True)
+    _check_numerics(results, schedule, n)
+
+
+@pytest.mark.parametrize("name", ["torch DualPipeV", "ZBVZeroBubble"])
+def test_moe_module_under_torch_v_schedules(pool, name):
+    results = pool.run(cases.torch_schedule_numerics, name=name, n=4)
+    assert all(r["grad_err"] <= cases.ATOL for r in results)
+    assert sum(r["losses"] for r in results) == cases.EP * 4
+
+
+def test_failure_in_a_pair_surfaces_on_every_rank(pool):
+    """Rank 0 raises inside its first overlapped pair: it raises that error at once, and
+    every other rank stops with an error within the process-group timeout."""
+    results = pool.run(cases.failure_in_pair, timeout_s=cases.GROUP_TIMEOUT_S + 60)
+    assert all(r["raised"] for r in results), results
+    assert "InjectedFailure: injected failure in the forward half of a pair on rank 0" in results[0]["chain"]
+    assert results[0]["elapsed_s"] < cases.GROUP_TIMEOUT_S / 2
+    for r in results[1:]:
+        assert r["elapsed_s"] < cases.GROUP_TIMEOUT_S + 15, r
+        assert not any("InjectedFailure" in line for line in r["chain"])

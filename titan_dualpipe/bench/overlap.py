@@ -1,0 +1,251 @@
+"""``titan-dualpipe bench overlap``: what overlapping MoE all-to-all in DualPipeV pairs saves.
+
+Four CPU processes form pp=2 x ep=2 (rank ``r``: pipeline rank ``r // 2``, expert-parallel
+index ``r % 2``); each pipeline trains :class:`~titan_dualpipe.overlap.moe.MoETransformer`
+on its own data, each pipeline rank's two processes split the experts. Every all-to-all
+pays an emulated network cost (sleep, no CPU). Unless set with ``--latency-ms`` /
+``--bandwidth-gbps``, the cost is calibrated: all ranks time one block's forward and
+backward (while all of them compute, so CPU contention is included), and the cost of one
+exchange is set to ``--comm-ratio`` times a quarter of that, i.e. a block's four exchanges
+cost ``comm-ratio`` times its compute (half latency, half bandwidth). The default, 4, lets
+communication dominate: at 1 the four processes share two cores while they compute, and
+that contention, not the exchanges, bounds the step time of both variants.
+
+Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` and
+``overlap=False``, torch's ScheduleDualPipeV and ScheduleZBVZeroBubble (and, with
+``--dualpipe``, our ScheduleDualPipe both ways). Rounds are paired: each round times a few
+steps of every schedule in a rotated order; medians over rounds are reported. Exposed
+communication is the time spent blocked in all-to-all waits, per step, averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
+from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from .model import lm_loss
+from .spawn import run_on_processes
+
+PP, EP = 2, 2
+CONFIGS = ("overlap", "sequential", "torch_dualpipev", "torch_zbv")
+DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("overlap", help="MoE all-to-all overlap in DualPipeV pairs (4 CPU processes, pp=2 x ep=2)")
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per schedule per round (default 1)")
+    p.add_argument("--microbatches", type=int, default=24, help="per step, >= 4 (default 24)")
+    p.add_argument("--layers", type=int, default=4, help="MoE blocks, split over 4 stages (default 4)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--comm-ratio", type=float, default=4.0,
+                   help="calibrated cost of a block's four exchanges / its compute (default 4.0)")
+    p.add_argument("--latency-ms", type=float, default=None, help="fixed latency per all-to-all (skips calibration)")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="fixed bandwidth in GB/s (1e9 bytes/s) per all-to-all (skips calibration)")
+    p.add_argument("--dualpipe", action="store_true", help="also time our ScheduleDualPipe, overlap on and off")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.set_defaults(func=run)
+
+
+def _check(cfg: dict) -> None:
+    if cfg["microbatches"] < 2 * PP or (cfg["dualpipe"] and cfg["microbatches"] % 2):
+        raise ValueError(f"--microbatches must be >= {2 * PP} (and even with --dualpipe), got {cfg['microbatches']}")
+    if cfg["layers"] < 2 * PP:
+        raise ValueError(f"--layers must be >= {2 * PP} (one block per stage at least), got {cfg['layers']}")
+    for name in ("rounds", "steps", "dim", "seq", "experts"):
+        if cfg[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {cfg[name]}")
+    if cfg["experts"] % EP:
+        raise ValueError(f"--experts must be divisible by the expert-parallel size {EP}, got {cfg['experts']}")
+    if cfg["comm_ratio"] < 0:
+        raise ValueError(f"--comm-ratio must be >= 0, got {cfg['comm_ratio']}")
+    if cfg["latency_ms"] is not None and cfg["latency_ms"] < 0:
+        raise ValueError(f"--latency-ms must be >= 0, got {cfg['latency_ms']}")
+    if cfg["bandwidth_gbps"] is not None and cfg["bandwidth_gbps"] <= 0:
+        raise ValueError(f"--bandwidth-gbps must be > 0, got {cfg['bandwidth_gbps']}")
+
+
+# -- per rank -----------------------------------------------------------------------------------
+def _model_args(cfg: dict) -> MoEArgs:
+    return MoEArgs(vocab_size=512, dim=cfg["dim"], n_layers=cfg["layers"], n_heads=4, num_experts=cfg["experts"],
+                   top_k=2, moe_inter_dim=2 * cfg["dim"], capacity_factor=1.25)
+
+
+def _groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+    rank = dist.get_rank()
+    ep_groups = [dist.new_group([p * EP + e for e in range(EP)]) for p in range(PP)]
+    pp_groups = [dist.new_group([p * EP + e for p in range(PP)]) for e in range(EP)]
+    pp_rank, ep_index = divmod(rank, EP)
+    return pp_groups[ep_index], ep_groups[pp_rank], pp_rank, ep_index
+
+
+def _block_seconds(cfg: dict, comm: ExpertParallelComm) -> float:
+    """Median forward + backward time of one block on one microbatch, exchanges free."""
+    torch.manual_seed(0)
+    block = MoETransformer(_model_args(cfg)).layers["0"]
+    expert_parallel(block, comm)
+    h = torch.randn(2, cfg["seq"], cfg["dim"], requires_grad=True)
+    times = []
+    for _ in range(12):
+        dist.barrier()
+        start = time.perf_counter()
+        block(h).sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict]:
+    args = _model_args(cfg)
+    tokens = 2 * cfg["seq"]
+    exchange_bytes = args.num_experts * args.capacity(tokens) * args.dim * 4  # fp32 dispatch buffer
+    remote_bytes = exchange_bytes * (EP - 1) // EP
+    if cfg["latency_ms"] is not None or cfg["bandwidth_gbps"] is not None:
+        latency = (cfg["latency_ms"] or 0.0) / 1e3
+        bandwidth = cfg["bandwidth_gbps"] * 1e9 if cfg["bandwidth_gbps"] else float("inf")
+        block_s = None
+    else:
+        samples: list = [None] * dist.get_world_size()
+        dist.all_gather_object(samples, _block_seconds(cfg, comm))
+        block_s = statistics.median(samples)
+        per_exchange = cfg["comm_ratio"] * block_s / 4
+        latency, bandwidth = per_exchange / 2, remote_bytes / (per_exchange / 2) if per_exchange else float("inf")
+    net = EmulatedNetwork(latency, bandwidth)
+    settings = {"latency_ms": latency * 1e3, "bandwidth_gbps": bandwidth / 1e9, "exchange_remote_bytes": remote_bytes,
+                "exchange_ms": net.seconds(remote_bytes) * 1e3,
+                "block_compute_ms": None if block_s is None else block_s * 1e3, "comm_ratio": cfg["comm_ratio"]}
+    return net, settings
+
+
+def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> dict[str, tuple[Any, bool]]:
+    """Config name -> (schedule, whether this rank passes inputs and targets)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
+
+    torch.manual_seed(0)
+    model = MoETransformer(_model_args(cfg))
+    n, v_ids = cfg["microbatches"], (pp_rank, 2 * PP - 1 - pp_rank)
+    v_parts = split_parts(model, 2 * PP)
+    v_modules = [v_parts[s] for s in v_ids]
+    for m in v_modules:
+        expert_parallel(m, comm)
+
+    def v_stages() -> list:
+        return [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group) for m, s in zip(v_modules, v_ids)]
+
+    feeds_v = pp_rank == 0
+    out: dict[str, tuple[Any, bool]] = {
+        "overlap": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=True), feeds_v),
+        "sequential": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=False), feeds_v),
+        "torch_dualpipev": (TorchDualPipeV(v_stages(), n, loss_fn=lm_loss), feeds_v),
+        "torch_zbv": (ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss), feeds_v),
+    }
+    if cfg["dualpipe"]:
+        place = placement("DualPipe", PP, n)
+        parts = split_parts(model, PP)
+        modules = {s: parts[place.model_part(s)] for s in place.stages_of(pp_rank)}
+        for m in modules.values():
+            expert_parallel(m, comm)
+        for name, overlap in zip(DUALPIPE_CONFIGS, (True, False)):
+            stages = [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group) for s, m in modules.items()]
+            out[name] = (ScheduleDualPipe(stages, n, loss_fn=lm_loss, overlap=overlap), True)
+    return out
+
+
+def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelComm,
+                 modules: Callable[[], list]) -> tuple[float, float]:
+    """Seconds per step and seconds blocked in all-to-all waits per step on this rank."""
+    dist.barrier()
+    comm.stats.reset()
+    start = time.perf_counter()
+    for _ in range(steps):
+        schedule.step(x, target=y) if feeds else schedule.step()
+        for m in modules():
+            m.zero_grad(set_to_none=True)
+    waited = comm.stats.waited_s
+    dist.barrier()
+    return (time.perf_counter() - start) / steps, waited / steps
+
+
+def _worker(cfg: dict) -> dict:
+    pp_group, ep_group, pp_rank, ep_index = _groups()
+    comm = ExpertParallelComm(ep_group)
+    net, settings = _network(cfg, comm)
+    comm.network = net
+    n = cfg["microbatches"]
+    g = torch.Generator().manual_seed(1 + ep_index)  # each pipeline its own data shard
+    x = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g)
+    y = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g)
+    schedules = _schedules(cfg, pp_group, comm, pp_rank)
+    names = list(schedules)
+
+    def modules_of(name: str) -> Callable[[], list]:
+        return lambda: [stage.submod for stage in schedules[name][0]._stages]
+
+    for name in names:  # warm-up: shape inference, allocator
+        _timed_steps(*schedules[name], x, y, 1, comm, modules_of(name))
+    step_s: dict[str, list[float]] = {name: [] for name in names}
+    exposed: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(cfg["rounds"]):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t, w = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name))
+            step_s[name].append(t)
+            exposed[name].append(w)
+    exposed_mean = torch.tensor([statistics.median(exposed[name]) for name in names], dtype=torch.float64)
+    dist.all_reduce(exposed_mean)
+    exposed_mean /= dist.get_world_size()
+    return {"step_time": {name: statistics.median(step_s[name]) for name in names},
+            "exposed_comm": dict(zip(names, exposed_mean.tolist())), "network": settings}
+
+
+# -- driver -------------------------------------------------------------------------------------
+def measure(cfg: dict) -> dict:
+    _check(cfg)
+    raw = run_on_processes(_worker, PP * EP, cfg)
+    result = {f"step_time_{name}": raw["step_time"][name] for name in raw["step_time"]}
+    result.update({f"exposed_comm_{name}": raw["exposed_comm"][name] for name in raw["exposed_comm"]})
+    result["overlap_vs_sequential"] = result["step_time_overlap"] / result["step_time_sequential"]
+    if cfg["dualpipe"]:
+        result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
+                                                    / result["step_time_dualpipe_sequential"])
+    result["network"] = raw["network"]
+    result["config"] = cfg
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    keys = ("rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio", "latency_ms",
+            "bandwidth_gbps", "dualpipe")
+    cfg = {k: getattr(args, k) for k in keys}
+    result = measure(cfg)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    net = result["network"]
+    how = (f"calibrated: block forward+backward {net['block_compute_ms']:.2f} ms, comm ratio {net['comm_ratio']}"
+           if net["block_compute_ms"] is not None else "set on the command line")
+    print(f"pp={PP} x ep={EP} CPU processes, {cfg['microbatches']} microbatches, {cfg['layers']} MoE blocks "
+          f"(dim {cfg['dim']}, {cfg['experts']} experts, top-2), seq {cfg['seq']}; "
+          f"median of {cfg['rounds']} paired rounds x {cfg['steps']} steps")
+    print(f"emulated network ({how}): latency {net['latency_ms']:.3f} ms, bandwidth {net['bandwidth_gbps']:.4f} GB/s "
+          f"-> {net['exchange_ms']:.2f} ms per all-to-all ({net['exchange_remote_bytes']} remote bytes)")
+    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}")
+    for key in [k for k in result if k.startswith("step_time_")]:
+        name = key[len("step_time_"):]
+        print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}")
+    print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}")
+    return 0
