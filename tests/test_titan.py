@@ -34,7 +34,9 @@ STEPS = 6
 CHECKPOINT_STEP = 3
 PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
 LOG_LINE = re.compile(r"\[rank(\d+)\]:.*step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*([\d.]+)")
+VALIDATION_LINE = re.compile(r"\[rank(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*(-?[\d.]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+VALIDATION = ("--validation.enable", "--validation.freq", "3")  # at steps 1, 3 and 6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +103,13 @@ class Run:
     def grad_norms(self, rank: int = 0) -> dict[int, float]:
         return {step: norm for step, (_, norm) in self.logged().get(rank, {}).items()}
 
+    def validation_losses(self) -> dict[int, dict[int, float]]:
+        """{rank: {step: validation loss}}."""
+        table: dict[int, dict[int, float]] = {}
+        for rank, step, loss in VALIDATION_LINE.findall(ANSI.sub("", self.output)):
+            table.setdefault(int(rank), {})[int(step)] = float(loss)
+        return table
+
     def probe(self, rank: int) -> dict:
         return json.loads((self.out_dir / f"probe_rank{rank}.json").read_text())
 
@@ -145,19 +154,19 @@ def runs_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def dualpipe_run(runs_dir: Path) -> Run:
     return _ok(train(CONFIGS / "debug_dualpipe.toml", runs_dir / "dualpipe", "--checkpoint.enable",
-                     "--checkpoint.interval", str(CHECKPOINT_STEP), probe=True))
+                     "--checkpoint.interval", str(CHECKPOINT_STEP), *VALIDATION, probe=True))
 
 
 @pytest.fixture(scope="module")
 def one_f_one_b_run(runs_dir: Path) -> Run:
     return _ok(train(CONFIGS / "debug_dualpipe.toml", runs_dir / "1f1b",
-                     "--parallelism.pipeline_parallel_schedule", "1F1B"))
+                     "--parallelism.pipeline_parallel_schedule", "1F1B", *VALIDATION))
 
 
 @pytest.fixture(scope="module")
 def dualpipev_run(runs_dir: Path) -> Run:
     return _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "dualpipev",
-                     "--parallelism.no-pipeline-parallel-expert-parallel-overlap", probe=True))
+                     "--parallelism.no-pipeline-parallel-expert-parallel-overlap", *VALIDATION, probe=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +226,20 @@ def test_loss_logged_on_every_rank(dualpipe_run: Run, dualpipev_run: Run) -> Non
         assert sorted(logged) == [0, 1]
         assert logged[0] == logged[1]
         assert "loss: -1" not in ANSI.sub("", run.output)
+
+
+def test_validation_runs_our_schedules_and_logs_on_every_rank(
+    dualpipe_run: Run, one_f_one_b_run: Run, dualpipev_run: Run
+) -> None:
+    """torchtitan validates with the training schedule's eval(). DualPipe gives 1F1B's validation
+    losses; DualPipeV's rank 1 (no last stage) logs rank 0's loss, not -1 / tokens."""
+    reference = one_f_one_b_run.validation_losses()[1]
+    assert sorted(reference) == [1, 3, 6]
+    for run in (dualpipe_run, dualpipev_run):
+        logged = run.validation_losses()
+        assert sorted(logged) == [0, 1] and logged[0] == logged[1]
+        assert all(0 < loss < 20 for loss in logged[0].values()), logged
+    _assert_close(dualpipe_run.validation_losses()[0], reference, rel=1e-4)
 
 
 def test_dualpipev_trains_close_to_1f1b(dualpipev_run: Run, one_f_one_b_run: Run) -> None:
@@ -318,8 +341,10 @@ def test_train_configs_load_and_validate(config: Path) -> None:
          ["[parallelism] pipeline_parallel_layers_per_stage = 2", "remove it"]),
         (["--parallelism.pipeline_parallel_degree", "10", "--training.local_batch_size", "20"],
          ["[parallelism] pipeline_parallel_degree = 10", "pipeline_parallel_first_stage_less_layers"]),
+        (["--validation.enable", "--validation.local_batch_size", "12"],
+         ["[validation] local_batch_size = 12", "8 microbatches", "Set it to 8"]),
     ],
-    ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts"],
+    ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch"],
 )
 def test_bad_dualpipe_configs_name_the_keys(overrides: list[str], keys: list[str]) -> None:
     from titan_dualpipe.titan import check_job_config

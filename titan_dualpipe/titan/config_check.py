@@ -23,6 +23,7 @@ FQNS_KEY = "[parallelism] module_fqns_per_model_part"
 CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
 FIRST_LESS_KEY = "[parallelism] pipeline_parallel_first_stage_less_layers"
 LAST_LESS_KEY = "[parallelism] pipeline_parallel_last_stage_less_layers"
+VALIDATION_BATCH_KEY = "[validation] local_batch_size"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | Non
     pp = par.pipeline_parallel_degree
     plan = Plan(schedule, pp, _microbatches(job_config, schedule))
     _check_schedule_requirements(plan, job_config)
+    _check_validation_batch(plan, job_config)
     _check_split(plan, par, n_layers)
     if par.pipeline_parallel_schedule_csv:
         _check_csv(plan, par.pipeline_parallel_schedule_csv)
@@ -98,6 +100,20 @@ def _check_schedule_requirements(plan: Plan, job_config: Any) -> None:
             "or lower pipeline_parallel_degree."
         )
     check_requirements(name, pp, n)  # the schedule's own rules; the checks above name the keys
+
+
+def _check_validation_batch(plan: Plan, job_config: Any) -> None:
+    """Validation runs the same schedule (``eval()``), so its batch splits into the same microbatch count."""
+    validation = getattr(job_config, "validation", None)
+    if validation is None or not validation.enable:
+        return
+    batch, n = validation.local_batch_size, plan.n_microbatches
+    if batch < n or batch % n:
+        raise ValueError(
+            f"{plan.schedule}: {VALIDATION_BATCH_KEY} = {batch} must be a multiple of the {n} microbatches "
+            f"({BATCH_KEY} / {MICROBATCH_KEY}): validation runs the same pipeline schedule. "
+            f"Set it to {max(n, batch // n * n)}."
+        )
 
 
 def _check_split(plan: Plan, par: Any, n_layers: int | None) -> None:

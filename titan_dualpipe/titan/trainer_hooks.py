@@ -8,8 +8,9 @@
 - Loss: both our schedules have the losses on pipeline rank 0 (DualPipeV's last stage
   ``2pp-1`` lives there; DualPipe computes them on ranks 0 and ``pp-1``), while torchtitan
   assumes the last PP rank for every schedule but "ZBVZeroBubble" and logs ``loss: -1``
-  elsewhere. ``MetricsProcessor.log`` takes the loss from pipeline rank 0 on every rank, so
-  every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
+  elsewhere (validation: ``-1 / tokens``, its validator builds no schedule of its own and runs
+  ``pp_schedule.eval()``, which ours support). ``MetricsProcessor.log`` and ``log_validation``
+  take the loss from pipeline rank 0 on every rank, so every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
   ``ensure_pp_loss_visible`` warning about LOG_RANK is moot.
 - ``get_train_spec``: loading a spec imports the model's ``parallelize`` module, whose bound
   ``get_dual_pipe_v_flag`` is then patched (:func:`.pipeline.patch_dual_pipe_v_flag`). Under
@@ -95,12 +96,22 @@ def _make_metrics_log(original: Callable[..., None]) -> Callable[..., None]:
     return log
 
 
+def _make_metrics_log_validation(original: Callable[..., None]) -> Callable[..., None]:
+    def log_validation(self: Any, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
+        dims = self.parallel_dims
+        if dims.pp_enabled and our_schedule(self.job_config.parallelism.pipeline_parallel_schedule):
+            loss, _ = _losses_from_loss_rank(dims, loss, loss)
+        original(self, loss, step, extra_metrics)
+
+    return log_validation
+
+
 def _losses_from_loss_rank(parallel_dims: Any, avg: float, peak: float) -> tuple[float, float]:
     """Every PP rank takes pipeline rank 0's loss instead of logging -1.
 
-    MetricsProcessor.log runs on every rank at the same steps (torchtitan already runs its
-    loss collectives there), so this two-float broadcast is safe and costs one tiny message
-    per logged step.
+    MetricsProcessor.log and log_validation run on every rank at the same steps (torchtitan
+    already runs its loss collectives there), so this two-float broadcast is safe and costs
+    one tiny message per logged step.
     """
     import torch
     import torch.distributed as dist
@@ -135,6 +146,7 @@ def install() -> None:
     metrics._get_metrics_rank = _make_metrics_rank(metrics._get_metrics_rank)
     metrics.ensure_pp_loss_visible = _make_loss_visible(original_visible)
     metrics.MetricsProcessor.log = _make_metrics_log(metrics.MetricsProcessor.log)
+    metrics.MetricsProcessor.log_validation = _make_metrics_log_validation(metrics.MetricsProcessor.log_validation)
     metrics._titan_dualpipe_installed = True
     train_spec.get_train_spec = _make_get_train_spec(train_spec.get_train_spec)
     if not _trainer_modules():
