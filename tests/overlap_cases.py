@@ -120,7 +120,7 @@ def _step(sched, modules, place, x, y) -> list[float]:
         sched.step(x, target=y, losses=losses)
     else:
         sched.step()
-    return [l.item() for l in losses]
+    return [loss.item() for loss in losses]
 
 
 def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2) -> dict:
@@ -171,8 +171,8 @@ def _check_grads(modules, reference, overlap: bool, step: int) -> float:
         for name, p in module.named_parameters():
             assert p.grad is not None, f"overlap={overlap} step {step}: stage {s} {name} has no gradient"
             got, want = _full(p.grad), _reference_grad(reference, name)
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
-                                       msg=lambda msg: f"overlap={overlap} step {step} stage {s} {name}: {msg}")
+            where = f"overlap={overlap} step {step} stage {s} {name}"
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda msg, where=where: f"{where}: {msg}")
             worst = max(worst, (got - want).abs().max().item())
     return worst
 

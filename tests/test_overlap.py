@@ -10,6 +10,7 @@ last.
 from __future__ import annotations
 
 import copy
+import re
 import time
 import types
 
@@ -64,11 +65,11 @@ def test_pair_is_bitwise_equal_to_plain_autograd(checkpoint, last):
     assert torch.equal(out1, fused_out1)
     if last:
         assert torch.equal(x0.grad, fx0.grad)
-    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     torch.autograd.backward(*_backward_args(out1, target, last))
     run_to_completion(fused.backward_steps(*_backward_args(fused_out1, target, last)))
-    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), f"second microbatch: {name}"
 
 
@@ -155,13 +156,30 @@ def test_emulated_network_waits_without_cpu_and_counts_only_blocked_time():
     (lambda: split_parts(MoETransformer(ARGS), 5), "cannot split 4 layers into 5 parts"),
     (lambda: MoETransformer(ARGS).layers["0"].moe.use_expert_parallel(types.SimpleNamespace(size=3, rank=0)),
      "num_experts=4 is not divisible by the expert-parallel size 3"),
-    (lambda: MoETransformer(ARGS).layers["0"](torch.zeros(1, 2, ARGS.dim), segment="router"), "unknown segment 'router'"),
+    (lambda: MoETransformer(ARGS).layers["0"](torch.zeros(1, 2, ARGS.dim), segment="router"),
+     "unknown segment 'router'"),
     (lambda: run_to_completion(MoETransformer(ARGS).backward_steps([torch.ones(2, requires_grad=True) * 2], None)),
      "do not come from a MoETransformer forward"),
 ])
 def test_bad_input_raises_value_error(make, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         make()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"microbatches": 3}, "--microbatches must be >= 4"),
+    ({"dualpipe": True, "microbatches": 5}, "and even with --dualpipe"),
+    ({"layers": 3}, "--layers must be >= 4"),
+    ({"experts": 5}, "--experts must be divisible by the expert-parallel size 2"),
+    ({"bandwidth_gbps": 0.0}, "--bandwidth-gbps must be > 0"),
+])
+def test_bench_rejects_bad_settings_before_spawning(change, message):
+    from titan_dualpipe.bench.overlap import measure
+
+    cfg = dict(rounds=1, steps=1, microbatches=8, layers=4, dim=16, seq=8, experts=4, comm_ratio=1.0,
+               latency_ms=None, bandwidth_gbps=None, dualpipe=False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        measure({**cfg, **change})
 
 
 def test_a_leaf_shared_by_two_segments_is_refused():

@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -145,7 +144,8 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
         expert_parallel(m, comm)
 
     def v_stages() -> list:
-        return [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group) for m, s in zip(v_modules, v_ids)]
+        return [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group)
+                for m, s in zip(v_modules, v_ids, strict=True)]
 
     feeds_v = pp_rank == 0
     out: dict[str, tuple[Any, bool]] = {
@@ -160,7 +160,7 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
         modules = {s: parts[place.model_part(s)] for s in place.stages_of(pp_rank)}
         for m in modules.values():
             expert_parallel(m, comm)
-        for name, overlap in zip(DUALPIPE_CONFIGS, (True, False)):
+        for name, overlap in zip(DUALPIPE_CONFIGS, (True, False), strict=True):
             stages = [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group) for s, m in modules.items()]
             out[name] = (ScheduleDualPipe(stages, n, loss_fn=lm_loss, overlap=overlap), True)
     return out
@@ -209,7 +209,7 @@ def _worker(cfg: dict) -> dict:
     dist.all_reduce(exposed_mean)
     exposed_mean /= dist.get_world_size()
     return {"step_time": {name: statistics.median(step_s[name]) for name in names},
-            "exposed_comm": dict(zip(names, exposed_mean.tolist())), "network": settings}
+            "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)), "network": settings}
 
 
 # -- driver -------------------------------------------------------------------------------------

@@ -21,13 +21,19 @@ backward is cut at the same points (:meth:`MoETransformer.backward_steps`): comb
 reverse combine exchange -> experts -> reverse dispatch exchange -> attention.
 :meth:`MoETransformer.overlapped_forward_backward` (the runtime's
 :class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`) interleaves the
-forward microbatch's segments with the backward microbatch's, so each half's exchange
-is in flight while the other half computes. Results equal the plain path bit for bit:
-every tensor crossing a segment boundary gets at most two gradient contributions.
+forward microbatch's segments with the backward microbatch's (the backward half, which
+computes more between its exchanges, starts), so each half's exchange is in flight while
+the other half computes. Results equal the plain path bit for bit: every tensor
+crossing a segment boundary gets at most two gradient contributions.
 
 The forward saves its segment boundaries in the autograd metadata of its output's
 node, where the backward half finds them from the tensors it backpropagates; they are
 released when a backward (either path) has passed them.
+
+Limits: all ranks of an expert-parallel group must feed microbatches of the same shape
+(the exchanges have static sizes); the loss may depend on the stage output only; a
+parameter may be used by one segment only (tied weights are refused with ValueError);
+there is no load-balancing loss.
 """
 
 from __future__ import annotations
@@ -251,7 +257,9 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         return h_attn + self.moe.combine(combined, weights, routing).view_as(h_attn)
 
-    def forward_steps(self, h: torch.Tensor, record: list[LayerBoundaries], via_call: bool = True) -> Step[torch.Tensor]:
+    def forward_steps(
+        self, h: torch.Tensor, record: list[LayerBoundaries], via_call: bool = True
+    ) -> Step[torch.Tensor]:
         """The block's forward, yielding at each exchange; appends its boundaries to ``record``."""
 
         def run(name: str, *args: Any) -> Any:
@@ -267,7 +275,8 @@ class TransformerBlock(nn.Module):
         yield combine
         combined, h_attn_in, weights_in = boundary(combine.output), boundary(h_attn), boundary(weights)
         out = run("combine", combined, weights_in, h_attn_in, routing)
-        record.append(LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, send, received, expert_out, combined))
+        record.append(
+            LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, send, received, expert_out, combined))
         return out
 
     def backward_steps(
@@ -311,7 +320,8 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, activation_checkpoint) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, activation_checkpoint) for i in range(args.n_layers)})
         self.norm: nn.Module | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 
