@@ -8,10 +8,11 @@ model (all experts) on both shards.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe.bench.model import lm_loss
+from titan_dualpipe.overlap import moe as moe_module
 from titan_dualpipe.overlap.comm import ExpertParallelComm
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
 
@@ -135,7 +137,8 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {o: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
             for o, r in runs.items()}
-    result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0}
+    result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0, "fused_pairs": 0,
+              "fused_pairs_without_overlap": 0}
     for step in range(steps):
         want = []
         for d in range(EP):
@@ -147,7 +150,9 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
         x, y = batch(step, n, ep_index)
         got: dict[bool, tuple[list[float], list[torch.Tensor]]] = {}
         for overlap, (_, modules, sched, _) in runs.items():
-            losses = _step(sched, modules, place, x, y)
+            with _counting_pairs() as pairs:
+                losses = _step(sched, modules, place, x, y)
+            result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
             raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
             _average_over_data_shards(modules, fsdp)
             result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))
@@ -163,6 +168,23 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             opt.step()
             opt.zero_grad()
     return result
+
+
+@contextlib.contextmanager
+def _counting_pairs() -> Iterator[list]:
+    """Count the pairs the MoE module ran itself (each interleaves one forward and one backward)."""
+    calls: list = []
+    real = moe_module.interleave
+
+    def counted(first, second):
+        calls.append(1)
+        return real(first, second)
+
+    moe_module.interleave = counted
+    try:
+        yield calls
+    finally:
+        moe_module.interleave = real
 
 
 def _check_grads(modules, reference, overlap: bool, step: int) -> float:

@@ -203,6 +203,7 @@ def _check_numerics(results: list[dict], schedule: str, n: int) -> None:
     # per pipeline: 2 steps x 2 runs (overlap on, off) x n losses on each rank holding a loss
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     assert all(r["bitwise_tensors"] > 0 for r in results)
+    assert all(r["fused_pairs"] > 0 and r["fused_pairs_without_overlap"] == 0 for r in results), results
 
 
 @pytest.mark.parametrize("schedule,n,checkpoint", [
