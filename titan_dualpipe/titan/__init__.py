@@ -8,13 +8,18 @@ In a torchtitan TOML::
     [parallelism]
     pipeline_parallel_schedule = "DualPipeV"   # or "DualPipe" (any case)
 
-Every other schedule name keeps torchtitan's own behaviour. Importing also
+Every other schedule name keeps torchtitan's own behaviour. For ours,
+``[parallelism] pipeline_parallel_expert_parallel_overlap`` (default true) is the schedules'
+``overlap`` switch, and torchtitan's own DualPipeV expert-parallel hooks are not applied
+(:mod:`.pipeline`). Importing also
 
-- switches torchtitan to CPU / gloo when the machine has no accelerator (:mod:`.cpu`);
+- switches torchtitan to CPU / gloo when the machine has no accelerator, MoE models and FSDP
+  included (:mod:`.cpu`, :mod:`.cpu_moe`);
 - registers the shipped dataset ``titan_dualpipe_tiny`` (:mod:`.data`);
 - checks configs naming our schedules before the process group exists
   (:mod:`.config_check`, via :mod:`.trainer_hooks`);
-- counts each DualPipe twin once in gradient-norm clipping (:mod:`.grad_clip`).
+- counts each DualPipe twin once in gradient-norm clipping (:mod:`.grad_clip`);
+- logs the training and validation loss on every pipeline rank (:mod:`.trainer_hooks`).
 
 ``custom_import`` runs after torchtitan's own modules are imported and before the trainer
 reads the device type or creates the process group, which is what every patch here relies on.

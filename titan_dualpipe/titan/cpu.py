@@ -1,6 +1,6 @@
 """CPU mode: let torchtitan 0.2.2 train with gloo on a machine without an accelerator.
 
-torchtitan assumes an accelerator. Three things break without one, each fixed here:
+torchtitan assumes an accelerator. What breaks without one, each fixed here:
 
 1. ``tools/utils.py`` picks ``device_type = _get_available_device_type() or "cuda"``, and
    several modules copy ``device_type`` / ``device_module`` at import. We set ``"cpu"`` (gloo
