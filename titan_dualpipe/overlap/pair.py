@@ -29,20 +29,36 @@ def run_pair_overlapped(executor: Any, forward: _Action, backward: _Action) -> N
         executor.run_backward(backward)
         return
 
+    failure: list[BaseException] = []
+
     def forward_running_both_halves(*args: Any, **kwargs: Any) -> Any:
         result: dict[str, Any] = {}
 
         def backward_half(stage_output: Any, output_grads: Any, input_values: list) -> tuple:
             outputs, grads = _differentiable(stage_output, output_grads)
-            result["forward"] = fused(fwd_module, args, kwargs, bwd_module, input_values, outputs, grads)
+            try:
+                result["forward"] = fused(fwd_module, args, kwargs, bwd_module, input_values, outputs, grads)
+            except BaseException as err:
+                failure.append(err)
+                raise
             return input_grads(input_values)
 
         with stage_backward_replaced(backward_half):
             executor.run_backward(backward)
         return result["forward"]
 
-    with module_forward_replaced(fwd_module, forward_running_both_halves):
-        executor.run_forward(forward)
+    try:
+        with module_forward_replaced(fwd_module, forward_running_both_halves):
+            executor.run_forward(forward)
+        return
+    except Exception:
+        if not failure:
+            raise
+    # torch's forward_one_chunk wrapped the pair's own error (whose cause it is); raise that
+    # one, outside the handler so its context does not point back at the wrapper
+    error = failure[0]
+    error.__context__ = None
+    raise error
 
 
 def _differentiable(stage_output: Any, output_grads: Any) -> tuple[list, list | None]:
