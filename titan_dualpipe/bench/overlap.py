@@ -7,9 +7,10 @@ pays an emulated network cost (sleep, no CPU). Unless set with ``--latency-ms`` 
 ``--bandwidth-gbps``, the cost is calibrated: all ranks time one block's forward and
 backward (while all of them compute, so CPU contention is included), and the cost of one
 exchange is set to ``--comm-ratio`` times a quarter of that, i.e. a block's four exchanges
-cost ``comm-ratio`` times its compute (half latency, half bandwidth). The default, 4, lets
-communication dominate: at 1 the four processes share two cores while they compute, and
-that contention, not the exchanges, bounds the step time of both variants.
+cost ``comm-ratio`` times its compute (half latency, half bandwidth). The default, 1, is
+DeepSeek-V3's compute:communication ratio. On a 2-core machine the four single-threaded
+processes share two cores while they compute, and at 1:1 that contention, not the
+exchanges, bounds the overlapped step time; ``--comm-ratio 4`` lets communication dominate.
 
 Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` and
 ``overlap=False``, torch's ScheduleDualPipeV and ScheduleZBVZeroBubble (and, with
@@ -48,8 +49,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--comm-ratio", type=float, default=4.0,
-                   help="calibrated cost of a block's four exchanges / its compute (default 4.0)")
+    p.add_argument("--comm-ratio", type=float, default=1.0,
+                   help="calibrated cost of a block's four exchanges / its compute (default 1.0)")
     p.add_argument("--latency-ms", type=float, default=None, help="fixed latency per all-to-all (skips calibration)")
     p.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="fixed bandwidth in GB/s (1e9 bytes/s) per all-to-all (skips calibration)")
