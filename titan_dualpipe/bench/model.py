@@ -7,11 +7,11 @@ with a non-pipelined reference.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..split import split_layers
 
 
 class Block(nn.Module):
@@ -60,23 +60,5 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def split_model(model: TinyLM, n_parts: int) -> list[TinyLM]:
-    """``n_parts`` deep copies of ``model``, each keeping a contiguous run of layers;
-    part 0 keeps the embedding, the last part the norm and head."""
-    n_layers = len(model.layers)
-    if n_layers < n_parts:
-        raise ValueError(f"cannot split {n_layers} layers into {n_parts} parts: use at least {n_parts} layers")
-    bounds = [round(i * n_layers / n_parts) for i in range(n_parts + 1)]
-    parts = []
-    for i in range(n_parts):
-        part = copy.deepcopy(model)
-        keep = {str(j) for j in range(bounds[i], bounds[i + 1])}
-        for name in list(part.layers):
-            if name not in keep:
-                del part.layers[name]
-        if i != 0:
-            part.tok_embeddings = None
-        if i != n_parts - 1:
-            part.norm = None
-            part.output = None
-        parts.append(part)
-    return parts
+    """``n_parts`` pipeline parts of ``model`` (see :func:`titan_dualpipe.split.split_layers`)."""
+    return split_layers(model, n_parts)

@@ -38,7 +38,6 @@ there is no load-balancing loss.
 
 from __future__ import annotations
 
-import copy
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from torch.autograd.graph import Node
 from torch.utils.checkpoint import checkpoint
 
 from .comm import ExpertParallelComm, all_to_all
+from ..split import split_layers
 from .segments import SegmentLeaves, Step, boundary, interleave, run_to_completion, segment_backward
 
 _RECORD_KEY = "titan_dualpipe.moe_boundaries"
@@ -427,24 +427,8 @@ def _find_record(outputs: Sequence[torch.Tensor], limit: int = 10_000) -> tuple[
 
 
 def split_parts(model: MoETransformer, n_parts: int) -> list[MoETransformer]:
-    """``n_parts`` deep copies of ``model``, each keeping a contiguous run of blocks (names
-    unchanged); part 0 keeps the embedding, the last part the norm and head."""
-    n_layers = len(model.layers)
-    if not 1 <= n_parts <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_parts} parts: use 1..{n_layers} parts")
-    bounds = [round(i * n_layers / n_parts) for i in range(n_parts + 1)]
-    parts = []
-    for i in range(n_parts):
-        part = copy.deepcopy(model)
-        keep = {str(j) for j in range(bounds[i], bounds[i + 1])}
-        for name in [n for n in part.layers if n not in keep]:
-            del part.layers[name]
-        if i:
-            part.tok_embeddings = None
-        if i != n_parts - 1:
-            part.norm = part.output = None
-        parts.append(part)
-    return parts
+    """``n_parts`` pipeline parts of ``model`` (see :func:`titan_dualpipe.split.split_layers`)."""
+    return split_layers(model, n_parts)
 
 
 def expert_parallel(module: nn.Module, comm: ExpertParallelComm) -> None:
