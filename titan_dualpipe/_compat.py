@@ -45,8 +45,6 @@ UNSHARD = _ComputationType.UNSHARD
 RESHARD = _ComputationType.RESHARD
 REDUCE_GRAD = _ComputationType.REDUCE_GRAD
 
-COMPUTE_TYPES = (F, I, W, B)
-
 
 def _check_torch_version() -> None:
     major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

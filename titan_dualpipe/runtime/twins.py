@@ -10,8 +10,6 @@ on the other: floating-point addition is commutative, so both copies end bit-ide
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -113,7 +111,3 @@ def _check_same_part(
             "twins must match crosswise). Rank r must build its stages from model parts r and "
             "pp-1-r of one pp-way split."
         )
-
-
-def twins_identical(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
-    return all(torch.equal(_local(x), _local(y)) for x, y in zip(a, b, strict=True))
