@@ -160,14 +160,13 @@ def numerics(schedule: str, pp: int, n: int, *, scale_grads: bool = True, defer_
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=1e-2)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    holds_input = any(place.is_first(s) for s in modules)
     holds_loss = any(place.is_last(s) for s in modules)
     result = {"grad_err": 0.0, "loss_err": 0.0, "losses_checked": 0}
     try:
         for step in range(steps):
             x, y = batch(step, n, dp_index)
             losses: list = []
-            if holds_input or holds_loss:
+            if place.feeds_batch(pp_rank):
                 sched.step(x, target=y, losses=losses)
             else:
                 sched.step()
@@ -207,9 +206,8 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     reference, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     place = sched.placement
     x, y = batch(0, n)
-    holds = any(place.is_first(s) or place.is_last(s) for s in modules)
     losses: list = []
-    out = sched.eval(x, target=y, losses=losses) if holds else sched.eval()
+    out = sched.eval(x, target=y, losses=losses) if place.feeds_batch(rank) else sched.eval()
     grads = [p.grad for m in modules.values() for p in m.parameters() if p.grad is not None]
     assert not grads, "eval() must not produce gradients"
     with torch.no_grad():
@@ -282,8 +280,7 @@ def overlap_matches_sequential(schedule: str, pp: int, n: int) -> dict | None:
         for step in range(2):
             x, y = batch(step, n)
             losses: list = []
-            feeds = any(place.is_first(s) or place.is_last(s) for s in modules)
-            sched.step(x, target=y, losses=losses) if feeds else sched.step()
+            sched.step(x, target=y, losses=losses) if place.feeds_batch(rank) else sched.step()
             losses_per_step.append([l.detach().clone() for l in losses])
             grads_per_step.append([p.grad.clone() for m in modules.values() for p in m.parameters()])
             opt.step()

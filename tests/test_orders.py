@@ -171,3 +171,9 @@ def test_cli_writes_csv(tmp_path, fmt):
 def test_cli_reports_bad_values(capsys):
     assert cli_main(["csv", "--schedule", "DualPipe", "--pp", "3", "--microbatches", "6"]) == 2
     assert "even pipeline size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule,pp,feeding", [("DualPipeV", 1, [0]), ("DualPipeV", 4, [0]), ("DualPipe", 2, [0, 1]), ("DualPipe", 6, [0, 5])])
+def test_ranks_that_pass_the_batch(schedule, pp, feeding):
+    place = placement(schedule, pp, 2 * pp)
+    assert [r for r in range(pp) if place.feeds_batch(r)] == feeding

@@ -81,6 +81,11 @@ class Placement:
     def is_last(self, stage: int) -> bool:
         return self.next_stage(stage) is None
 
+    def feeds_batch(self, rank: int) -> bool:
+        """Whether ``rank`` holds a first or a last stage, so passes the whole batch
+        (inputs and target) to ``step()``: DualPipeV rank 0, DualPipe ranks 0 and pp-1."""
+        return any(self.is_first(s) or self.is_last(s) for s in self.stages_of(rank))
+
     def microbatches(self, stage: int) -> range:
         """Microbatch ids that ``stage`` processes, in FIFO order."""
         n = self.n_microbatches

@@ -58,7 +58,7 @@ def _measure(cfg: dict) -> dict:
     cls = ScheduleDualPipe if place.bidirectional else ScheduleDualPipeV
     schedule = cls(stages, place.n_microbatches, loss_fn=lm_loss, record_timeline=True, overlap=cfg["overlap"])
     x = torch.randint(0, 512, (4 * place.n_microbatches, cfg["seq"]))
-    feeds = any(place.is_first(s) or place.is_last(s) for s in place.stages_of(rank))
+    feeds = place.feeds_batch(rank)
     for _ in range(cfg["steps"]):
         dist.barrier()
         start = time.perf_counter()
