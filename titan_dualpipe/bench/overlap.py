@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -168,18 +169,19 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
 
 
 def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelComm,
-                 modules: Callable[[], list]) -> tuple[float, float]:
-    """Seconds per step and seconds blocked in all-to-all waits per step on this rank."""
+                 modules: Callable[[], list]) -> tuple[float, float, float]:
+    """Per step on this rank: seconds, seconds blocked in all-to-all waits, CPU seconds
+    (all threads of the process, gloo's included)."""
     dist.barrier()
     comm.stats.reset()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         schedule.step(x, target=y) if feeds else schedule.step()
         for m in modules():
             m.zero_grad(set_to_none=True)
-    waited = comm.stats.waited_s
+    waited, cpu = comm.stats.waited_s, time.process_time() - cpu_start
     dist.barrier()
-    return (time.perf_counter() - start) / steps, waited / steps
+    return (time.perf_counter() - start) / steps, waited / steps, cpu / steps
 
 
 def _worker(cfg: dict) -> dict:
@@ -201,16 +203,21 @@ def _worker(cfg: dict) -> dict:
         _timed_steps(*schedules[name], x, y, 1, comm, modules_of(name))
     step_s: dict[str, list[float]] = {name: [] for name in names}
     exposed: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(cfg["rounds"]):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            t, w = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name))
+            t, w, c = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name))
             step_s[name].append(t)
             exposed[name].append(w)
+            cpu[name].append(c)
     exposed_mean = torch.tensor([statistics.median(exposed[name]) for name in names], dtype=torch.float64)
     dist.all_reduce(exposed_mean)
     exposed_mean /= dist.get_world_size()
+    cpu_total = torch.tensor([statistics.median(cpu[name]) for name in names], dtype=torch.float64)
+    dist.all_reduce(cpu_total)
     return {"step_time": {name: statistics.median(step_s[name]) for name in names},
-            "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)), "network": settings}
+            "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)),
+            "cpu_seconds": dict(zip(names, cpu_total.tolist(), strict=True)), "network": settings}
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -219,6 +226,10 @@ def measure(cfg: dict) -> dict:
     raw = run_on_processes(_worker, PP * EP, cfg)
     result = {f"step_time_{name}": raw["step_time"][name] for name in raw["step_time"]}
     result.update({f"exposed_comm_{name}": raw["exposed_comm"][name] for name in raw["exposed_comm"]})
+    # No schedule can finish a step before the cores did all its CPU work.
+    cores = min(len(os.sched_getaffinity(0)), PP * EP)
+    result.update({f"cpu_bound_{name}": raw["cpu_seconds"][name] / cores for name in raw["cpu_seconds"]})
+    result["cores"] = cores
     result["overlap_vs_sequential"] = result["step_time_overlap"] / result["step_time_sequential"]
     if cfg["dualpipe"]:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
@@ -244,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
           f"median of {cfg['rounds']} paired rounds x {cfg['steps']} steps")
     print(f"emulated network ({how}): latency {net['latency_ms']:.3f} ms, bandwidth {net['bandwidth_gbps']:.4f} GB/s "
           f"-> {net['exchange_ms']:.2f} ms per all-to-all ({net['exchange_remote_bytes']} remote bytes)")
-    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}")
+    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}{'CPU bound s/step':>19}")
     for key in [k for k in result if k.startswith("step_time_")]:
         name = key[len("step_time_"):]
-        print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}")
+        print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
+              f"{result['cpu_bound_' + name]:>19.4f}")
+    print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}")
     return 0
