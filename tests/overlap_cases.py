@@ -23,6 +23,8 @@ from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.overlap import moe as moe_module
+from titan_dualpipe.overlap import pair as pair_module
+from titan_dualpipe.overlap import relay as relay_module
 from titan_dualpipe.overlap.comm import ExpertParallelComm
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
 
@@ -125,20 +127,30 @@ def _step(sched, modules, place, x, y) -> list[float]:
     return [loss.item() for loss in losses]
 
 
-def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2) -> dict:
+class RelayedMoETransformer(MoETransformer):
+    """The MoE module without its protocol: the runtime runs its pairs as a relay, switching
+    halves at the exchanges."""
+
+    overlapped_forward_backward = None
+
+
+def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2,
+                 relay: bool = False) -> dict:
     """overlap=True and overlap=False: each matches the reference (losses, every gradient,
-    two steps with Adam between) and the two agree bit for bit."""
+    two steps with Adam between) and the two agree bit for bit. ``relay``: the module
+    without its protocol."""
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
+    module_cls = RelayedMoETransformer if relay else MoETransformer
     runs = {}
     for overlap in (True, False):
-        runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp)
+        runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls)
     reference = runs[True][0]
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {o: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
             for o, r in runs.items()}
     result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0, "fused_pairs": 0,
-              "fused_pairs_without_overlap": 0}
+              "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0}
     for step in range(steps):
         want = []
         for d in range(EP):
@@ -150,9 +162,10 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
         x, y = batch(step, n, ep_index)
         got: dict[bool, tuple[list[float], list[torch.Tensor]]] = {}
         for overlap, (_, modules, sched, _) in runs.items():
-            with _counting_pairs() as pairs:
+            with _counting_pairs() as pairs, _counting_hand_overs() as relays:
                 losses = _step(sched, modules, place, x, y)
             result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
+            result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
             raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
             _average_over_data_shards(modules, fsdp)
             result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))
@@ -185,6 +198,24 @@ def _counting_pairs() -> Iterator[list]:
         yield calls
     finally:
         moe_module.interleave = real
+
+
+@contextlib.contextmanager
+def _counting_hand_overs() -> Iterator[list]:
+    """Collect the relays of the pairs run as relays (each counts its switches of half)."""
+    relays: list = []
+    real = pair_module.run_relayed
+
+    def recorded(forward_half, backward_half):
+        done = real(forward_half, backward_half)
+        relays.append(done)
+        return done
+
+    pair_module.run_relayed = recorded
+    try:
+        yield relays
+    finally:
+        pair_module.run_relayed = real
 
 
 def _check_grads(modules, reference, overlap: bool, step: int) -> float:
@@ -243,11 +274,28 @@ class FailingMoETransformer(MoETransformer):
         raise InjectedFailure(f"injected failure in the forward half of a pair on rank {dist.get_rank()}")
 
 
-def failure_in_pair(n: int = 4) -> dict:
+class FailingRelayedMoETransformer(RelayedMoETransformer):
+    """Raises in the backward half of its first relayed pair, when the gradient of the
+    stage input is computed: after that half's exchanges were posted and waited."""
+
+    inject = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inject and x.requires_grad:
+            x.register_hook(self._fail_once)
+        return super().forward(x)
+
+    def _fail_once(self, grad: torch.Tensor) -> None:
+        if self.inject and relay_module._active is not None:
+            self.inject = False
+            raise InjectedFailure(f"injected failure in the backward half of a pair on rank {dist.get_rank()}")
+
+
+def failure_in_pair(n: int = 4, relay: bool = False) -> dict:
     """Rank 0 raises inside a pair; report what each rank raised and after how long."""
     place = placement("DualPipeV", PP, n)
-    _, modules, sched, _ = build("DualPipeV", n, overlap=True, checkpoint=False, fsdp=False,
-                                 module_cls=FailingMoETransformer)
+    module_cls = FailingRelayedMoETransformer if relay else FailingMoETransformer
+    _, modules, sched, _ = build("DualPipeV", n, overlap=True, checkpoint=False, fsdp=False, module_cls=module_cls)
     for module in modules.values():
         module.inject = dist.get_rank() == 0
     x, y = batch(0, n, topology().ep_index)
@@ -261,3 +309,26 @@ def failure_in_pair(n: int = 4) -> dict:
             cause = cause.__cause__ or cause.__context__
         return {"raised": True, "chain": chain, "elapsed_s": time.monotonic() - start}
     return {"raised": False, "elapsed_s": time.monotonic() - start}
+
+
+def relayed_all_to_all_matches_torch() -> dict:
+    """relayed_all_to_all_single == torch's all_to_all_single_autograd, forward and backward,
+    with uneven splits, bit for bit."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    from titan_dualpipe.overlap.comm import relayed_all_to_all_single
+
+    group, me = topology().ep_group, topology().ep_index
+    send = [1 + me, 3 - me]  # rows this rank sends to EP index 0 and 1
+    recv = [[1, 2], [3, 2]][me]  # what EP index 0 and 1 send here
+    torch.manual_seed(10 + dist.get_rank())
+    x = torch.randn(sum(send), 5, requires_grad=True)
+    weight = torch.randn(sum(recv), 5)
+    results = []
+    for fn in (relayed_all_to_all_single, all_to_all_single_autograd):
+        out = fn(x, recv, send, group)
+        out = out.wait() if hasattr(out, "wait") else out
+        (grad,) = torch.autograd.grad((out * weight).sum(), x)
+        results.append((out.detach().clone(), grad))
+    (a, ga), (b, gb) = results
+    return {"forward_equal": torch.equal(a, b), "backward_equal": torch.equal(ga, gb), "rows": a.shape[0]}

@@ -197,13 +197,17 @@ def pool():
     p.close(kill=True)  # the last test leaves the process groups broken
 
 
-def _check_numerics(results: list[dict], schedule: str, n: int) -> None:
+def _check_numerics(results: list[dict], schedule: str, n: int, relay: bool = False) -> None:
     assert all(r["grad_err"] <= cases.ATOL for r in results)
     twin_factor = 2 if schedule == "DualPipe" else 1  # both pipeline ends compute every loss
     # per pipeline: 2 steps x 2 runs (overlap on, off) x n losses on each rank holding a loss
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     assert all(r["bitwise_tensors"] > 0 for r in results)
-    assert all(r["fused_pairs"] > 0 and r["fused_pairs_without_overlap"] == 0 for r in results), results
+    assert all(r["fused_pairs_without_overlap"] == 0 and r["hand_overs_without_overlap"] == 0 for r in results)
+    if relay:  # every rank has pairs, and every pair's halves switch at the MoE exchanges
+        assert all(r["fused_pairs"] == 0 and r["hand_overs"] > 0 for r in results), results
+    else:
+        assert all(r["fused_pairs"] > 0 and r["hand_overs"] == 0 for r in results), results
 
 
 @pytest.mark.parametrize("schedule,n,checkpoint", [
@@ -221,11 +225,44 @@ def test_moe_pipeline_with_fsdp2(pool, schedule, n, checkpoint):
     _check_numerics(results, schedule, n)
 
 
+@pytest.mark.parametrize("schedule,n,checkpoint,fsdp", [
+    ("DualPipeV", 4, False, False), ("DualPipe", 4, True, False), ("DualPipeV", 5, True, True),
+])
+def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, schedule, n, checkpoint, fsdp):
+    """The MoE module without its protocol: pairs run as a relay switching at its exchanges."""
+    results = pool.run(cases.moe_numerics, schedule=schedule, n=n, checkpoint=checkpoint, fsdp=fsdp, relay=True)
+    _check_numerics(results, schedule, n, relay=True)
+
+
+def test_relayed_all_to_all_equals_torchs_autograd_all_to_all(pool):
+    results = pool.run(cases.relayed_all_to_all_matches_torch)
+    assert all(r["forward_equal"] and r["backward_equal"] for r in results), results
+    assert [r["rows"] for r in results] == [3, 5, 3, 5]
+
+
 @pytest.mark.parametrize("name", ["torch DualPipeV", "ZBVZeroBubble"])
 def test_moe_module_under_torch_v_schedules(pool, name):
     results = pool.run(cases.torch_schedule_numerics, name=name, n=4)
     assert all(r["grad_err"] <= cases.ATOL for r in results)
     assert sum(r["losses"] for r in results) == cases.EP * 4
+
+
+def test_failure_in_a_relayed_pair_surfaces_on_every_rank():
+    """Rank 0 raises in the backward half of a relayed pair (its own pool: the failure
+    breaks the process groups): the forward half stops at its next hand-over, rank 0 raises
+    at once, every other rank within the process-group timeout."""
+    own = WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S)
+    try:
+        results = own.run(cases.failure_in_pair, relay=True, timeout_s=cases.GROUP_TIMEOUT_S + 60)
+    finally:
+        own.close(kill=True)
+    assert all(r["raised"] for r in results), results
+    assert any(line.startswith("InjectedFailure: injected failure in the backward half of a pair on rank 0")
+               for line in results[0]["chain"]), results[0]
+    assert results[0]["elapsed_s"] < cases.GROUP_TIMEOUT_S / 2
+    for r in results[1:]:
+        assert r["elapsed_s"] < cases.GROUP_TIMEOUT_S + 15, r
+        assert not any("InjectedFailure" in line for line in r["chain"])
 
 
 def test_failure_in_a_pair_surfaces_on_every_rank(pool):

@@ -163,3 +163,16 @@ def input_grads(input_values: list) -> tuple:
         else:
             grads.append(None)
     return tuple(grads)
+
+
+def post_all_to_all_single(
+    x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any
+) -> torch.Tensor:
+    """Start an all-to-all with torch's functional collective op (not differentiated here);
+    the result may be read only after :func:`wait_collective`. Activation checkpointing
+    policies see the same op as for ``all_to_all_single_autograd``."""
+    return torch.ops._c10d_functional.all_to_all_single(x, output_split_sizes, input_split_sizes, group.group_name)
+
+
+def wait_collective(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)

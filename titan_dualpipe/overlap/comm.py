@@ -1,4 +1,5 @@
-"""Expert-parallel all-to-all with an optional emulated network cost.
+"""Expert-parallel all-to-all: our MoE module's exchange, with an optional emulated network
+cost, and :func:`relayed_all_to_all_single` for any module.
 
 :func:`all_to_all` posts an asynchronous ``all_to_all_single`` over an expert-parallel
 process group and returns a :class:`PendingAllToAll`; the exchange is autograd-aware (its
@@ -11,6 +12,10 @@ handle at a moment of its choosing, computing something else in between.
 until that long after the post, so it uses no CPU and is hidden by whatever computes
 between post and wait. :class:`CommStats` adds up the time spent waiting: the
 communication left exposed.
+
+Every exchange here calls :func:`~titan_dualpipe.overlap.relay.hand_over` between posting
+and waiting where the waiting is not the caller's choice (a backward; the plain forward),
+so it overlaps with the partner half when a pair runs as a relay.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .._compat import post_all_to_all_single, wait_collective
+from .relay import hand_over
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return ctx.comm.post(grad.contiguous()).wait(), None, None
+        pending = ctx.comm.post(grad.contiguous())
+        hand_over()
+        return pending.wait(), None, None
 
 
 def all_to_all(x: torch.Tensor, comm: ExpertParallelComm) -> PendingAllToAll:
@@ -139,3 +149,39 @@ def all_to_all(x: torch.Tensor, comm: ExpertParallelComm) -> PendingAllToAll:
     pending = box[0]
     pending.output = output  # the graph-connected tensor (same storage the exchange fills)
     return pending
+
+
+class _RelayedAllToAllSingle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):  # type: ignore[override]
+        ctx.splits, ctx.group = (output_split_sizes, input_split_sizes), group
+        return _exchange(x, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        output_split_sizes, input_split_sizes = ctx.splits
+        return _exchange(grad.contiguous(), input_split_sizes, output_split_sizes, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
+    pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+    hand_over()  # the partner half of a relayed pair computes while this one is in flight
+    return wait_collective(pending)
+
+
+def relayed_all_to_all_single(
+    x: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group: dist.ProcessGroup,
+    tag: str = "",
+) -> torch.Tensor:
+    """``torch.distributed._functional_collectives.all_to_all_single_autograd`` (same
+    arguments, same result bit for bit) that hands over to the partner half of a relayed
+    pair between posting and waiting, forward and backward."""
+    if (output_split_sizes is None) != (input_split_sizes is None):
+        raise ValueError("give both output_split_sizes and input_split_sizes, or neither (equal splits)")
+    if output_split_sizes is None or input_split_sizes is None:
+        size = dist.get_world_size(group)
+        output_split_sizes = input_split_sizes = [x.shape[0] // size] * size
+    return _RelayedAllToAllSingle.apply(x, list(output_split_sizes), list(input_split_sizes), group)

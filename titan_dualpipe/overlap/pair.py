@@ -2,9 +2,10 @@
 
 - :func:`run_pair_overlapped` (default): when the stage modules implement
   :class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`, the pair is handed
-  to it inside torch's own forward and backward bookkeeping; otherwise the forward runs,
-  its pipeline send is posted at once (instead of after the whole pair) and the backward
-  computes while that send is in flight.
+  to it inside torch's own forward and backward bookkeeping; otherwise the two actions run
+  as a relay (:mod:`~titan_dualpipe.overlap.relay`): they switch wherever the module hands
+  over after posting an exchange, and the forward's pipeline send is posted as soon as the
+  forward ends (not after the whole pair), so it is in flight while the backward computes.
 - :func:`~titan_dualpipe.runtime.executor.run_pair_sequentially`: the forward, then the
   backward, sends after both (``overlap=False``; for debugging and comparison).
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from .._compat import SEND_F, _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from .protocol import overlap_implementation
+from .relay import run_relayed
 
 
 def run_pair_overlapped(executor: Any, forward: _Action, backward: _Action) -> None:
@@ -24,9 +26,11 @@ def run_pair_overlapped(executor: Any, forward: _Action, backward: _Action) -> N
     bwd_module = executor.stages[backward.stage_index].submod
     fused = overlap_implementation(fwd_module, bwd_module)
     if fused is None:
-        executor.run_forward(forward)
-        executor.post_send_early(_Action(forward.stage_index, SEND_F, forward.microbatch_index))
-        executor.run_backward(backward)
+        def forward_half() -> None:
+            executor.run_forward(forward)
+            executor.post_send_early(_Action(forward.stage_index, SEND_F, forward.microbatch_index))
+
+        run_relayed(forward_half, lambda: executor.run_backward(backward))
         return
 
     failure: list[BaseException] = []

@@ -25,6 +25,8 @@ from typing import Any, Generator, Protocol, Sequence, TypeVar
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
+from .relay import hand_over
+
 T = TypeVar("T")
 
 
@@ -36,10 +38,12 @@ Step = Generator[Waitable, None, T]
 
 
 def run_to_completion(step: Step[T]) -> T:
-    """Run a step, waiting each communication handle as soon as it is yielded."""
+    """Run a step, waiting each communication handle as soon as it is yielded (after
+    handing over to the partner half when a pair runs as a relay)."""
     try:
         pending = next(step)
         while True:
+            hand_over()
             pending.wait()
             pending = step.send(None)
     except StopIteration as done:

@@ -1,0 +1,162 @@
+"""Overlap for stage modules without the protocol: the pair's halves as a two-thread relay.
+
+The forward action of a pair runs on the calling thread and its backward action on a
+helper thread, but never both at once: one half *holds the baton*. A half that has just
+posted an exchange calls :func:`hand_over` before waiting on it; the other half then
+computes until it hands over in turn (or ends), so the exchange is in flight while the
+partner computes. The forward half starts; once it ends, its pipeline send is posted and
+the backward half runs on alone.
+
+Only hand-overs switch halves, so the interleaving is a fixed function of the code: the
+same on every rank, which therefore posts its collectives in the same order as its peers,
+and each half computes exactly what it computes alone (bitwise equal to sequential
+halves). Each half runs the runtime's own forward / backward action, torch's stage
+bookkeeping, FSDP hooks and activation checkpointing included.
+
+Who calls :func:`hand_over`: :func:`~titan_dualpipe.overlap.segments.run_to_completion`
+and the exchanges of :mod:`titan_dualpipe.overlap.comm` (so our MoE module overlaps even
+when run without its protocol), and :func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single`,
+which :mod:`titan_dualpipe.titan` installs as torchtitan's expert-parallel dispatch and
+combine. Outside a pair, or once the partner half has ended, it does nothing.
+
+Failures: the half that raised hands the baton over for good; the partner raises
+:class:`PartnerFailed` at its next hand-over (or runs to its end if it has none left), and
+the pair raises the original exception on this rank.
+
+Threads: torch runs a CPU backward on the thread that calls it; with an accelerator the
+autograd work runs on its device threads, so any thread other than the forward's counts
+as the backward half. Grad mode and the accelerator's current device and stream are
+copied to the helper thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+FORWARD, BACKWARD = 0, 1
+_HALF_NAMES = ("forward", "backward")
+
+
+class PartnerFailed(RuntimeError):
+    """Raised in one half of a pair at a hand-over after the other half raised."""
+
+
+class Relay:
+    """The baton of one pair (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._forward_thread = threading.get_ident()
+        self._turn = FORWARD
+        self._ended = [False, False]
+        self._errors: list[BaseException] = []  # in the order they were raised
+        self.hand_overs = 0  # switches to a running partner, for tests and tracing
+
+    def _half(self) -> int:
+        return FORWARD if threading.get_ident() == self._forward_thread else BACKWARD
+
+    def hand_over(self) -> None:
+        me = self._half()
+        other = 1 - me
+        with self._cond:
+            self._raise_if_partner_failed(me)
+            if self._ended[other]:
+                return
+            self._turn = other
+            self.hand_overs += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._turn == me)
+            self._raise_if_partner_failed(me)
+
+    def _raise_if_partner_failed(self, me: int) -> None:
+        if self._errors:  # only a half that ended records an error: the partner
+            raise PartnerFailed(f"the {_HALF_NAMES[1 - me]} half of this pair raised; the {_HALF_NAMES[me]} half stops")
+
+    def wait_turn(self, half: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == half)
+
+    def end(self, half: int, error: BaseException | None) -> None:
+        with self._cond:
+            self._ended[half] = True
+            if error is not None and not isinstance(error, PartnerFailed):
+                self._errors.append(error)
+            self._turn = 1 - half
+            self._cond.notify_all()
+
+    def first_error(self) -> BaseException | None:
+        return self._errors[0] if self._errors else None
+
+
+_active: Relay | None = None  # the pair running in this process (pairs never nest)
+
+
+def hand_over() -> None:
+    """Let the partner half of the running pair compute (call right after posting an
+    exchange, before waiting on it); does nothing outside a pair."""
+    relay = _active
+    if relay is not None:
+        relay.hand_over()
+
+
+def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], None]) -> Relay:
+    """Run both halves as a relay (see the module docstring); returns the finished relay."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("a relayed pair is already running in this process: pairs do not nest")
+    relay = Relay()
+    enter_thread_state = _thread_state()
+
+    def helper() -> None:
+        error = None
+        try:
+            enter_thread_state()
+            relay.wait_turn(BACKWARD)
+            backward_half()
+        except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
+            error = err
+        relay.end(BACKWARD, error)
+
+    worker = threading.Thread(target=helper, name="titan_dualpipe-backward-half", daemon=True)
+    _active = relay
+    try:
+        worker.start()
+        error = None
+        try:
+            forward_half()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the partner ended
+            error = err
+        relay.end(FORWARD, error)
+        worker.join()
+    finally:
+        _active = None
+    failure = relay.first_error()
+    if failure is not None:
+        raise failure
+    return relay
+
+
+def _thread_state() -> Callable[[], None]:
+    """Capture this thread's grad mode and accelerator device/stream; the result applies them."""
+    grad_enabled = torch.is_grad_enabled()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    stream = None
+    if accelerator is not None and accelerator.type != "cpu" and _initialized(accelerator.type):
+        stream = torch.accelerator.current_stream()
+
+    def enter() -> None:
+        torch.set_grad_enabled(grad_enabled)
+        if stream is not None:
+            torch.accelerator.set_device_index(stream.device.index)
+            torch.accelerator.set_stream(stream)
+
+    return enter
+
+
+def _initialized(device_type: str) -> bool:
+    module = getattr(torch, device_type, None)
+    is_initialized = getattr(module, "is_initialized", None)
+    return bool(is_initialized()) if callable(is_initialized) else False
