@@ -3,12 +3,13 @@
 The end-to-end runs are module fixtures shared by several tests, so each configuration is
 trained once: DualPipe (with checkpoints, the twin probe), its 1F1B twin config, DualPipeV
 (overlapped pairs run sequentially), DualPipeV from a CSV (launched from another directory), a
-resume, one bad config, and DualPipe on the MoE debug model with expert parallelism (4 processes).
+resume, one bad config, and the MoE debug model with expert parallelism (4 processes): DualPipe
+with overlapped and with sequential pairs, and DualPipeV.
 
 This file is also imported inside the trainer processes (``--experimental.custom_import
 test_titan``) when ``PROBE_ENV`` is set: it then records, at ``Trainer.close``, each rank's
-schedule class, its ``overlap`` setting and a hash of every parameter (and MoE expert bias)
-of every stage.
+schedule class, its ``overlap`` setting, how many pairs ran as a relay and how often their
+halves switched, and a hash of every parameter (and MoE expert bias) of every stage.
 """
 
 from __future__ import annotations
@@ -57,7 +58,19 @@ def _install_probe(out_dir: str) -> None:
     import torchtitan.train as titan_train
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
+    from titan_dualpipe.overlap import pair
+
     original_close = titan_train.Trainer.close
+    relayed = {"pairs": 0, "hand_overs": 0}
+    run_relayed = pair.run_relayed
+
+    def counted_run_relayed(forward_half, backward_half):
+        done = run_relayed(forward_half, backward_half)
+        relayed["pairs"] += 1
+        relayed["hand_overs"] += done.hand_overs
+        return done
+
+    pair.run_relayed = counted_run_relayed
 
     def close(self) -> None:
         schedule = getattr(self, "pp_schedule", None)
@@ -66,6 +79,7 @@ def _install_probe(out_dir: str) -> None:
                 "schedule_mro": [c.__module__ + "." + c.__name__ for c in type(schedule).__mro__],
                 "overlap_callback": OVERLAP_F_B in schedule._comp_type_to_function_map,
                 "overlap": getattr(schedule, "overlap", None),
+                "relayed": relayed,
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
             }
             path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
@@ -217,6 +231,10 @@ def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run,
             assert not record["overlap_callback"]
             # [parallelism] pipeline_parallel_expert_parallel_overlap: default true, off for the DualPipeV run
             assert record["overlap"] is (run is dualpipe_run)
+            # dense model: pairs run as a relay (pipeline send overlap), no exchange hands over
+            pairs = record["relayed"]["pairs"]
+            assert (pairs > 0) if run is dualpipe_run else (pairs == 0)
+            assert record["relayed"]["hand_overs"] == 0
 
 
 def test_loss_logged_on_every_rank(dualpipe_run: Run, dualpipev_run: Run) -> None:
@@ -297,15 +315,44 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
 def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     """deepseek_v3 MoE debug model, pp=2 x EP 2 on CPU. Twins (global ranks 0/2 and 1/3 hold
     the same parts, same expert shard) end with identical weights and expert biases: each
-    copy counts the twin's routed tokens too before the bias update."""
+    copy counts the twin's routed tokens too before the bias update.
+
+    The pairs' halves switch at torchtitan's expert-parallel all-to-all; a run with the
+    pairs sequential ends with bitwise the same weights and logs the same losses. (Both use
+    deterministic algorithms: without them this MoE model is not bitwise reproducible on
+    CPU even between two identical sequential runs.)"""
     steps = 5
-    run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe", probe=True, nproc=4, steps=steps))
+    deterministic = "--debug.deterministic"
+    run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe", deterministic, probe=True, nproc=4,
+                    steps=steps))
     _assert_trains(run.losses(), steps)
     logged = run.logged()
     assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
     assert any(name.endswith("moe.expert_bias") for name in run.probe(0)["stages"]["0"])
     _assert_twins_identical(run, 0, 2)
     _assert_twins_identical(run, 1, 3)
+
+    sequential = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe_sequential", deterministic,
+                           "--parallelism.no-pipeline-parallel-expert-parallel-overlap", probe=True, nproc=4,
+                           steps=steps))
+    assert sequential.logged() == logged
+    for rank in range(4):
+        relayed, plain = run.probe(rank), sequential.probe(rank)
+        assert relayed["relayed"]["hand_overs"] > 0 and plain["relayed"]["pairs"] == 0, (relayed, plain)
+        assert relayed["stages"] == plain["stages"]
+
+
+def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -> None:
+    """The same model under DualPipeV: it trains and every rank's pairs switch halves at
+    torchtitan's expert-parallel all-to-all."""
+    steps = 4
+    run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe_v", "--parallelism.pipeline_parallel_schedule",
+                    "DualPipeV", probe=True, nproc=4, steps=steps))
+    _assert_trains(run.losses(), steps)
+    assert sorted(run.logged()) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert run.probe(rank)["schedule_mro"][0] == "titan_dualpipe.runtime.schedules.ScheduleDualPipeV"
+        assert run.probe(rank)["relayed"]["hand_overs"] > 0, run.probe(rank)["relayed"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ In a torchtitan TOML::
 Every other schedule name keeps torchtitan's own behaviour. For ours,
 ``[parallelism] pipeline_parallel_expert_parallel_overlap`` (default true) is the schedules'
 ``overlap`` switch, and torchtitan's own DualPipeV expert-parallel hooks are not applied
-(:mod:`.pipeline`). Importing also
+(:mod:`.pipeline`): instead, torchtitan's expert-parallel dispatch and combine overlap with
+the partner half of each pair (:mod:`.expert_overlap`). Importing also
 
 - switches torchtitan to CPU / gloo when the machine has no accelerator, MoE models and FSDP
   included (:mod:`.cpu`, :mod:`.cpu_moe`);

@@ -1,7 +1,9 @@
 """Hooks on torchtitan's trainer and metrics for our schedules.
 
 - ``Trainer.init_distributed``: before it creates the process group, resolve shipped-asset
-  paths, check the config (:mod:`.config_check`) and record the plan. ``custom_import`` runs
+  paths, check the config (:mod:`.config_check`), record the plan and, for our schedules,
+  make torchtitan's expert-parallel exchanges hand-over points of overlapped pairs
+  (:mod:`.expert_overlap`). ``custom_import`` runs
   inside ``Trainer.__init__`` just before ``self.init_distributed()``, so replacing the class
   attribute still catches this very trainer. With ``python -m torchtitan.train`` the class
   lives in ``__main__``; both that and ``torchtitan.train.Trainer`` are hooked.
@@ -25,7 +27,7 @@ import functools
 import sys
 from typing import Any, Callable
 
-from . import data
+from . import data, expert_overlap
 from .config_check import check_job_config, our_schedule
 from .moe_twins import with_twin_expert_counts
 from .pipeline import ACTIVE, patch_dual_pipe_v_flag
@@ -45,6 +47,8 @@ def prepare(job_config: Any) -> None:
     data.resolve_asset_paths(job_config)
     n_layers = _n_layers(job_config) if our_schedule(job_config.parallelism.pipeline_parallel_schedule) else None
     ACTIVE.plan = check_job_config(job_config, n_layers)
+    if ACTIVE.plan is not None:
+        expert_overlap.install()
 
 
 def _hook_init_distributed(cls: type) -> None:
