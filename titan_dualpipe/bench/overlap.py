@@ -37,7 +37,7 @@ from .model import lm_loss
 from .spawn import run_on_processes
 
 PP, EP = 2, 2
-CONFIGS = ("overlap", "sequential", "torch_dualpipev", "torch_zbv")
+CONFIGS = ("overlap", "overlap_relay", "sequential", "torch_dualpipev", "torch_zbv")
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
 
 
@@ -56,6 +56,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="fixed bandwidth in GB/s (1e9 bytes/s) per all-to-all (skips calibration)")
     p.add_argument("--dualpipe", action="store_true", help="also time our ScheduleDualPipe, overlap on and off")
+    p.add_argument("--no-relay", dest="relay", action="store_false",
+                   help="skip the overlap_relay run (the module without its protocol)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.set_defaults(func=run)
 
@@ -129,6 +131,13 @@ def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict
     return net, settings
 
 
+class RelayedMoETransformer(MoETransformer):
+    """The same module without its overlap protocol: the runtime overlaps its pairs as a
+    relay switching halves at the exchanges, as it does for torchtitan's MoE blocks."""
+
+    overlapped_forward_backward = None
+
+
 def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> dict[str, tuple[Any, bool]]:
     """Config name -> (schedule, whether this rank passes inputs and targets)."""
     from torch.distributed.pipelining import PipelineStage
@@ -156,6 +165,14 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
         "torch_dualpipev": (TorchDualPipeV(v_stages(), n, loss_fn=lm_loss), feeds_v),
         "torch_zbv": (ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss), feeds_v),
     }
+    if cfg["relay"]:  # same initial weights (the same model split again), its own copies
+        relayed = [split_parts(model, 2 * PP)[s] for s in v_ids]
+        for m in relayed:
+            m.__class__ = RelayedMoETransformer
+            expert_parallel(m, comm)
+        stages = [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group)
+                  for m, s in zip(relayed, v_ids, strict=True)]
+        out["overlap_relay"] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=True), feeds_v)
     if cfg["dualpipe"]:
         place = placement("DualPipe", PP, n)
         parts = split_parts(model, PP)
@@ -231,6 +248,8 @@ def measure(cfg: dict) -> dict:
     result.update({f"cpu_bound_{name}": raw["cpu_seconds"][name] / cores for name in raw["cpu_seconds"]})
     result["cores"] = cores
     result["overlap_vs_sequential"] = result["step_time_overlap"] / result["step_time_sequential"]
+    if cfg["relay"]:
+        result["overlap_relay_vs_sequential"] = result["step_time_overlap_relay"] / result["step_time_sequential"]
     if cfg["dualpipe"]:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
                                                     / result["step_time_dualpipe_sequential"])
@@ -241,7 +260,7 @@ def measure(cfg: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     keys = ("rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio", "latency_ms",
-            "bandwidth_gbps", "dualpipe")
+            "bandwidth_gbps", "dualpipe", "relay")
     cfg = {k: getattr(args, k) for k in keys}
     result = measure(cfg)
     if args.json:
@@ -261,5 +280,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
               f"{result['cpu_bound_' + name]:>19.4f}")
     print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")
-    print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}")
+    print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
+          + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     return 0
