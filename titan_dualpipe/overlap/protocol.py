@@ -6,8 +6,10 @@ one class that defines :meth:`OverlappedForwardBackward.overlapped_forward_backw
 runtime hands the whole pair to it, so it can interleave the two halves at a finer grain
 than the pipeline can: e.g. a MoE layer's attention of the forward microbatch runs while
 the backward microbatch's combine all-to-all is in flight, and so on (DeepSeek-V3's
-``overlapped_forward_backward``). Modules without it still get their pipeline send of
-the forward half's output in flight while the backward half computes.
+``overlapped_forward_backward``). Modules without it run as a relay
+(:mod:`~titan_dualpipe.overlap.relay`): the halves switch wherever the module's exchanges
+call ``hand_over()``, and the forward half's pipeline send is in flight while the backward
+half computes.
 
 The runtime keeps every bit of torch's stage bookkeeping (receiving inputs, caching
 activations, FSDP hooks and flags, sending results); the method only computes.
