@@ -38,10 +38,22 @@ def test_backward_half_runs_on_its_own_thread_with_the_callers_grad_mode():
         seen["grad"] = torch.is_grad_enabled()
 
     with torch.no_grad():
-        run_relayed(lambda: None, backward)
+        run_relayed(hand_over, backward)
     assert seen["thread"] != threading.get_ident() and seen["grad"] is False
-    run_relayed(lambda: None, backward)
+    run_relayed(hand_over, backward)
     assert seen["grad"] is True
+
+
+def test_a_forward_that_never_hands_over_is_followed_by_its_backward_on_the_calling_thread():
+    log: list = []
+
+    def backward() -> None:
+        log.append(threading.get_ident())
+        hand_over()  # the forward ended: nothing to switch to
+        log.append("B done")
+
+    done = run_relayed(lambda: log.append("F"), backward)
+    assert log == ["F", threading.get_ident(), "B done"] and done.hand_overs == 0 and not done.backward_started
 
 
 def test_hand_over_outside_a_pair_does_nothing():

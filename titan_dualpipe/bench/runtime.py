@@ -8,6 +8,7 @@ rounds are reported, with ratios to torch's ScheduleDualPipeV.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from .model import TinyLM, lm_loss, split_model
 from .spawn import run_on_processes
 
-OURS = ("DualPipeV", "DualPipe")
+OURS = ("DualPipeV", "DualPipeV sequential", "DualPipe")  # sequential: overlap=False
 TORCH = ("torch DualPipeV", "ZBVZeroBubble", "Interleaved1F1B")
 PP = 2
 
@@ -49,7 +50,8 @@ def _schedule(name: str, model: TinyLM, n: int, rank: int):
     from .. import ScheduleDualPipe, ScheduleDualPipeV
 
     classes: dict[str, Callable[..., Any]] = {
-        "DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe, "torch DualPipeV": TorchDualPipeV,
+        "DualPipeV": ScheduleDualPipeV, "DualPipeV sequential": functools.partial(ScheduleDualPipeV, overlap=False),
+        "DualPipe": ScheduleDualPipe, "torch DualPipeV": TorchDualPipeV,
         "ZBVZeroBubble": ScheduleZBVZeroBubble, "Interleaved1F1B": ScheduleInterleaved1F1B,
     }
     num_stages = 2 * PP
@@ -100,7 +102,7 @@ def _worker(cfg: dict) -> dict[str, float]:
 def measure(cfg: dict) -> dict:
     step_time = run_on_processes(_worker, PP, cfg)
     base = step_time["torch DualPipeV"]
-    ratios = {name: step_time[name] / base for name in ("DualPipeV", "DualPipe", "ZBVZeroBubble", "Interleaved1F1B")}
+    ratios = {name: step_time[name] / base for name in step_time if name != "torch DualPipeV"}
     return {"ratio_to_torch_dualpipev": ratios, "step_time_s": step_time, "config": cfg}
 
 

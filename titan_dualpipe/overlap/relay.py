@@ -1,11 +1,13 @@
 """Overlap for stage modules without the protocol: the pair's halves as a two-thread relay.
 
 The forward action of a pair runs on the calling thread and its backward action on a
-helper thread, but never both at once: one half *holds the baton*. A half that has just
+long-lived helper thread, but never both at once: one half *holds the baton*. A half that has just
 posted an exchange calls :func:`hand_over` before waiting on it; the other half then
 computes until it hands over in turn (or ends), so the exchange is in flight while the
-partner computes. The forward half starts; once it ends, its pipeline send is posted and
-the backward half runs on alone.
+partner computes. The forward half starts; the backward half starts at the forward's first
+hand-over (a forward that never hands over is followed by its backward on the calling
+thread, no thread involved). Once the forward ends, its pipeline send is posted and the
+backward half runs on alone.
 
 Only hand-overs switch halves, so the interleaving is a fixed function of the code: the
 same on every rank, which therefore posts its collectives in the same order as its peers,
@@ -31,6 +33,7 @@ copied to the helper thread.
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable
 
@@ -47,9 +50,11 @@ class PartnerFailed(RuntimeError):
 class Relay:
     """The baton of one pair (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_backward: Callable[[], None]) -> None:
         self._cond = threading.Condition()
         self._forward_thread = threading.get_ident()
+        self._start_backward = start_backward
+        self.backward_started = False
         self._turn = FORWARD
         self._ended = [False, False]
         self._errors: list[BaseException] = []  # in the order they were raised
@@ -65,6 +70,9 @@ class Relay:
             self._raise_if_partner_failed(me)
             if self._ended[other]:
                 return
+            if not self.backward_started:  # the forward's first hand-over starts the backward half
+                self.backward_started = True
+                self._start_backward()
             self._turn = other
             self.hand_overs += 1
             self._cond.notify_all()
@@ -107,10 +115,10 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
     global _active
     if _active is not None:
         raise RuntimeError("a relayed pair is already running in this process: pairs do not nest")
-    relay = Relay()
     enter_thread_state = _thread_state()
+    backward_ended = threading.Event()
 
-    def helper() -> None:
+    def backward_job() -> None:
         error = None
         try:
             enter_thread_state()
@@ -119,24 +127,57 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
         except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
             error = err
         relay.end(BACKWARD, error)
+        backward_ended.set()
 
-    worker = threading.Thread(target=helper, name="titan_dualpipe-backward-half", daemon=True)
+    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job))
     _active = relay
     try:
-        worker.start()
         error = None
         try:
             forward_half()
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the partner ended
             error = err
         relay.end(FORWARD, error)
-        worker.join()
+        if relay.backward_started:
+            backward_ended.wait()
     finally:
         _active = None
     failure = relay.first_error()
     if failure is not None:
         raise failure
+    if not relay.backward_started:
+        # The forward never handed over: nothing to switch to, so the backward runs here,
+        # after it, as it would have on the helper thread (its hand-overs would find the
+        # forward ended). This spares modules without exchanges any thread switch.
+        backward_half()
     return relay
+
+
+class _HelperThread:
+    """The long-lived thread that runs backward halves. A fresh thread per pair would pay
+    its start and a cold memory arena every time: about 10 ms per pair, measured."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="titan_dualpipe-backward-half", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+
+_helper: _HelperThread | None = None
+
+
+def _helper_thread() -> _HelperThread:
+    global _helper
+    if _helper is None or not _helper.thread.is_alive():  # none yet, or lost in a fork
+        _helper = _HelperThread()
+    return _helper
 
 
 def _thread_state() -> Callable[[], None]:
