@@ -343,11 +343,13 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
 
 
 def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -> None:
-    """The same model under DualPipeV: it trains and every rank's pairs switch halves at
+    """The same model under DualPipeV with full activation checkpointing (the backward half
+    recomputes each block's exchanges): it trains and every rank's pairs switch halves at
     torchtitan's expert-parallel all-to-all."""
     steps = 4
     run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe_v", "--parallelism.pipeline_parallel_schedule",
-                    "DualPipeV", probe=True, nproc=4, steps=steps))
+                    "DualPipeV", "--activation_checkpoint.mode", "full", probe=True, nproc=4, steps=steps))
+    assert "Applied full activation checkpointing" in run.output
     _assert_trains(run.losses(), steps)
     assert sorted(run.logged()) == [0, 1, 2, 3]
     for rank in range(4):
