@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe.bench.model import lm_loss
+from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
@@ -125,13 +126,6 @@ def _step(sched, modules, place, x, y) -> list[float]:
     else:
         sched.step()
     return [loss.item() for loss in losses]
-
-
-class RelayedMoETransformer(MoETransformer):
-    """The MoE module without its protocol: the runtime runs its pairs as a relay, switching
-    halves at the exchanges."""
-
-    overlapped_forward_backward = None
 
 
 def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2,
