@@ -12,11 +12,14 @@ DeepSeek-V3's compute:communication ratio. On a 2-core machine the four single-t
 processes share two cores while they compute, and at 1:1 that contention, not the
 exchanges, bounds the overlapped step time; ``--comm-ratio 4`` lets communication dominate.
 
-Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` and
+Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` (the
+module's protocol; and, unless ``--no-relay``, the module without it, run as a relay) and
 ``overlap=False``, torch's ScheduleDualPipeV and ScheduleZBVZeroBubble (and, with
 ``--dualpipe``, our ScheduleDualPipe both ways). Rounds are paired: each round times a few
 steps of every schedule in a rotated order; medians over rounds are reported. Exposed
 communication is the time spent blocked in all-to-all waits, per step, averaged over ranks.
+The CPU bound is all processes' CPU seconds per step over the usable cores: no schedule
+finishes a step sooner on this machine.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from .model import lm_loss
 from .spawn import run_on_processes
 
 PP, EP = 2, 2
-CONFIGS = ("overlap", "overlap_relay", "sequential", "torch_dualpipev", "torch_zbv")
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
 
 
