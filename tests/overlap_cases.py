@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
+from titan_dualpipe._compat import runnable_on_gloo
 from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
@@ -80,7 +81,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=topo.pp_group)
               for s in place.stages_of(topo.pp_rank)]
     if schedule_cls is not None:
-        sched = schedule_cls(stages, n, loss_fn=lm_loss)
+        sched = runnable_on_gloo(schedule_cls(stages, n, loss_fn=lm_loss))
     else:
         sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap)
     return reference, modules, sched, comm

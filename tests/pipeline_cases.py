@@ -64,13 +64,13 @@ def _from_csv(cls, csv_format: str):
 
 def _torch_runtime_from_csv(stages, n, **kwargs):
     """torch's own ``_PipelineScheduleRuntime`` running our DualPipeV compute_only CSV."""
-    from titan_dualpipe._compat import _PipelineScheduleRuntime
+    from titan_dualpipe._compat import _PipelineScheduleRuntime, runnable_on_gloo
     from titan_dualpipe.cli import main as cli_main
 
     pp = stages[0].group_size
     path = os.path.join(tempfile.mkdtemp(), f"order_rank{dist.get_rank()}.csv")
     cli_main(["csv", "--schedule", "DualPipeV", "--pp", str(pp), "--microbatches", str(n), "-o", path])
-    sched = _PipelineScheduleRuntime(stages, n, **kwargs)
+    sched = runnable_on_gloo(_PipelineScheduleRuntime(stages, n, **kwargs))
     sched._load_csv(path)
     return sched
 
@@ -298,3 +298,66 @@ def overlap_matches_sequential(schedule: str, pp: int, n: int) -> dict | None:
     assert recorded == compute, f"timeline {recorded} != order {compute}"
     assert all(0 <= t.start <= t.end for t in timeline) and all(t.rank == rank for t in timeline)
     return {"values_compared": sum(len(x) for x in l_on + g_on), "timed_actions": len(timeline)}
+
+
+def torch_schedule_grad_error(name: str, pp: int, n: int, fsdp: bool) -> float | None:
+    """One step of torch's own V schedule ``name`` (nested FSDP2 when ``fsdp``): the largest
+    gradient error against the reference (no assertion: the caller decides what is expected)."""
+    from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    from titan_dualpipe._compat import runnable_on_gloo
+
+    cls = {"torch DualPipeV": TorchDualPipeV, "ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
+    rank = dist.get_rank()
+    dp_mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+        group, dp_mesh, pp_rank = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank()
+        if mesh["dp"].size() != 1:
+            raise ValueError("torch_schedule_grad_error compares against a single replica: use pp == world size")
+    else:
+        group, pp_rank = first_ranks_group(pp), rank
+        if rank >= pp:
+            return None
+    RUNTIMES["torch:" + name] = lambda schedule: lambda stages, n, **kw: runnable_on_gloo(cls(stages, n, **kw))
+    reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, pp_rank, fsdp_mesh=dp_mesh,
+                                               runtime="torch:" + name)
+    x, y = batch(0, n)
+    sched.step(x, target=y, losses=[]) if pp_rank == 0 else sched.step()
+    reference_step(reference, x, y, n, scale_grads=True)
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for module in modules.values():
+        for pname, p in module.named_parameters():
+            got = _full(p.grad) if p.grad is not None else torch.zeros_like(ref[pname])
+            worst = max(worst, (got - ref[pname].grad).abs().max().item())
+    return worst
+
+
+def _compile_layers(modules: dict) -> None:
+    for module in modules.values():
+        for layer in module.layers.values():
+            layer.compile(backend="aot_eager")  # in place, as torchtitan's per-block compile
+
+
+def compiled_stages_refused(schedule: str, pp: int, n: int) -> str | None:
+    """Our constructor refuses stages with compiled blocks (the message, on every rank)."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    place = placement(schedule, pp, n)
+    torch.manual_seed(0)
+    full = TinyLM(vocab=VOCAB, dim=16, layers=place.num_stages, heads=2)
+    parts = split_model(full, place.num_stages if schedule == "DualPipeV" else pp)
+    modules = {s: copy.deepcopy(parts[place.model_part(s)]) for s in place.stages_of(rank)}
+    _compile_layers(modules)
+    stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=group) for s in modules]
+    try:
+        SCHEDULES[schedule](stages, n, loss_fn=lm_loss)
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("stages with compiled blocks were accepted")

@@ -93,18 +93,6 @@ def test_lowering_matches_torch_for_a_single_chain():
             assert insert_send_recv(per_rank, place) == theirs
 
 
-def test_torch_deferred_recvs_mismatch_v_messages_ours_do_not():
-    """Why we ship our own deferral: torch's `_defer_recv_ops` reorders recvs from one peer,
-    and V neighbours exchange activations and gradients of one shape over one channel."""
-    from torch.distributed.pipelining.schedules import _defer_recv_ops
-
-    place = placement("DualPipeV", 4, 8)
-    lowered = lower(compute_order("DualPipeV", 4, 8), place)
-    with pytest.raises(ValueError, match="would receive the data meant for"):
-        dry_run(_defer_recv_ops(lowered, place.rank_of), place)
-    dry_run(lower(compute_order("DualPipeV", 4, 8), place, defer_recv=True), place)
-
-
 def test_dry_run_reports_deadlock_with_stuck_actions():
     place = placement("DualPipeV", 2, 4)
     order = compute_order("DualPipeV", 2, 4)

@@ -200,6 +200,7 @@ def _assert_close(ours: dict[int, float], reference: dict[int, float], rel: floa
         assert ours[step] == pytest.approx(reference[step], rel=rel), (step, ours, reference)
 
 
+@pytest.mark.titan_e2e
 def test_dualpipe_matches_1f1b(dualpipe_run: Run, one_f_one_b_run: Run) -> None:
     """Same model split and initial weights as 1F1B: same losses, and a grad norm that
     counts each twin once (counted twice it would be sqrt(2) larger)."""
@@ -218,10 +219,12 @@ def _assert_twins_identical(run: Run, rank0: int = 0, rank1: int = 1) -> None:
     assert first["0"].keys().isdisjoint(first["3"].keys())
 
 
+@pytest.mark.titan_e2e
 def test_dualpipe_twins_identical_at_end(dualpipe_run: Run) -> None:
     _assert_twins_identical(dualpipe_run)
 
 
+@pytest.mark.titan_e2e
 def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run, dualpipev_run: Run) -> None:
     for run, name in ((dualpipe_run, "ScheduleDualPipe"), (dualpipev_run, "ScheduleDualPipeV")):
         for rank in (0, 1):
@@ -237,6 +240,7 @@ def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run,
             assert record["relayed"]["hand_overs"] == 0
 
 
+@pytest.mark.titan_e2e
 def test_loss_logged_on_every_rank(dualpipe_run: Run, dualpipev_run: Run) -> None:
     """DualPipeV's rank 1 holds no last stage; it logs rank 0's loss, never -1."""
     for run in (dualpipe_run, dualpipev_run):
@@ -246,6 +250,7 @@ def test_loss_logged_on_every_rank(dualpipe_run: Run, dualpipev_run: Run) -> Non
         assert "loss: -1" not in ANSI.sub("", run.output)
 
 
+@pytest.mark.titan_e2e
 def test_validation_runs_our_schedules_and_logs_on_every_rank(
     dualpipe_run: Run, one_f_one_b_run: Run, dualpipev_run: Run
 ) -> None:
@@ -260,12 +265,14 @@ def test_validation_runs_our_schedules_and_logs_on_every_rank(
     _assert_close(dualpipe_run.validation_losses()[0], reference, rel=1e-4)
 
 
+@pytest.mark.titan_e2e
 def test_dualpipev_trains_close_to_1f1b(dualpipev_run: Run, one_f_one_b_run: Run) -> None:
     """Four stages instead of two draw other initial weights: close, not equal."""
     _assert_trains(dualpipev_run.losses())
     _assert_close(dualpipev_run.losses(), one_f_one_b_run.losses(rank=1), rel=0.05)
 
 
+@pytest.mark.titan_e2e
 def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipev_run: Run) -> None:
     """A DualPipeV CSV from `titan-dualpipe csv` gives the built-in order's losses. Run from
     outside the repository: shipped tokenizer and dataset are found through the package.
@@ -283,6 +290,7 @@ def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipe
     _assert_close(run.losses(), dualpipev_run.losses(), rel=1e-6)
 
 
+@pytest.mark.titan_e2e
 def test_dualpipe_resume_continues_with_same_losses(runs_dir: Path, dualpipe_run: Run) -> None:
     """Resumed with the plain torchrun command line (our module loaded by custom_import)."""
     resumed_dir = runs_dir / "resumed"
@@ -296,6 +304,7 @@ def test_dualpipe_resume_continues_with_same_losses(runs_dir: Path, dualpipe_run
     assert run.losses(rank=1) == expected
 
 
+@pytest.mark.titan_e2e
 def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> None:
     """Each rank checks the config itself before init_process_group. torchrun stops the other
     ranks once one has failed; a 3 s monitor interval lets a late-starting rank reach its own
@@ -312,6 +321,7 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
     assert run.seconds < 120
 
 
+@pytest.mark.titan_e2e
 def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     """deepseek_v3 MoE debug model, pp=2 x EP 2 on CPU. Twins (global ranks 0/2 and 1/3 hold
     the same parts, same expert shard) end with identical weights and expert biases: each
@@ -342,6 +352,7 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
         assert relayed["stages"] == plain["stages"]
 
 
+@pytest.mark.titan_e2e
 def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -> None:
     """The same model under DualPipeV with full activation checkpointing (the backward half
     recomputes each block's exchanges): it trains and every rank's pairs switch halves at
@@ -392,8 +403,10 @@ def test_train_configs_load_and_validate(config: Path) -> None:
          ["[parallelism] pipeline_parallel_degree = 10", "pipeline_parallel_first_stage_less_layers"]),
         (["--validation.enable", "--validation.local_batch_size", "12"],
          ["[validation] local_batch_size = 12", "8 microbatches", "Set it to 8"]),
+        (["--compile.enable"], ["[compile] enable = true", "pytorch#161904", 'components = ["loss"]']),
     ],
-    ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch"],
+    ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch",
+         "compiled-model"],
 )
 def test_bad_dualpipe_configs_name_the_keys(overrides: list[str], keys: list[str]) -> None:
     from titan_dualpipe.titan import check_job_config
@@ -552,3 +565,11 @@ def test_moe_twin_expert_counts_summed(tmp_path: Path) -> None:
     results = mp.Manager().dict()
     mp.spawn(_twin_counts_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     assert results[0] == results[1] == [[10.0] * 4, [12.0] * 4]
+
+
+def test_untested_torchtitan_is_refused_by_name() -> None:
+    from titan_dualpipe.titan import TORCHTITAN_VERSION, check_torchtitan_version
+
+    assert TORCHTITAN_VERSION == "0.2.2"
+    with pytest.raises(ImportError, match=r"supports torchtitan 0.2.2; found torchtitan 0.1.0"):
+        check_torchtitan_version("0.1.0")

@@ -1,59 +1,109 @@
-"""Create or update the project's ``.venv`` and run a command in it (standard library only).
+"""Create or update the project's virtual environment and run a command in it (standard library only).
 
     python3 titan_dualpipe/bootstrap.py train train_configs/debug_dualpipev.toml --nproc 2
     python3 titan_dualpipe/bootstrap.py test [pytest args...]
+    python3 titan_dualpipe/bootstrap.py --torch 2.11.0 test -m "not titan_e2e"
 
-torch is installed as ``torch==2.13.0`` (the CPU build) only when the venv has none, so an
-existing CUDA build of 2.13 is kept; everything else comes from ``pyproject.toml``.
+Without ``--torch`` the environment is ``.venv``: a torch already in it is kept if it is in
+the supported range (``pyproject.toml``), a venv without torch gets ``torch==2.13.0`` (the CPU
+build), and a torch outside the range stops with a message naming the range. ``--torch X``
+uses ``.venv-torchX`` with exactly ``torch==X`` (a CUDA build from the registry for versions
+other than 2.13.0; it runs on CPU too). Everything else comes from ``pyproject.toml``;
+downloads stay in pip's cache, so a second environment of the same torch installs quickly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv"
+DEFAULT_TORCH = "2.13.0"
 EXTRAS = "titan,test,plot"
+_TORCH_REQUIREMENT = re.compile(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"')
 
 
-def _venv_python() -> Path:
-    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+def supported_range() -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((low major, minor), (high major, minor))``, high exclusive, from pyproject.toml."""
+    match = _TORCH_REQUIREMENT.search((ROOT / "pyproject.toml").read_text())
+    if match is None:
+        raise SystemExit("bootstrap: pyproject.toml has no torch>=X.Y,<X.Y requirement")
+    low_major, low_minor, high_major, high_minor = map(int, match.groups())
+    return (low_major, low_minor), (high_major, high_minor)
+
+
+def range_text() -> str:
+    (a, b), (c, d) = supported_range()
+    return f"torch>={a}.{b},<{c}.{d}"
+
+
+def in_range(version: str) -> bool:
+    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    low, high = supported_range()
+    return low <= (major, minor) < high
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
 def _run(*cmd: str | os.PathLike) -> None:
     subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
 
 
-def _has_torch(python: Path) -> bool:
-    return subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0
+def _torch_version(python: Path) -> str | None:
+    probe = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
 
 
-def ensure_venv() -> Path:
-    """Make ``.venv`` hold the package and its extras; reinstall only when pyproject changes."""
-    python = _venv_python()
+def ensure_venv(torch: str | None = None) -> Path:
+    """The environment's python, with the package, its extras and a supported torch installed.
+
+    ``torch=None``: ``.venv``, keeping a supported torch already there. ``torch="X"``:
+    ``.venv-torchX`` with ``torch==X``. Reinstalls only when pyproject.toml or torch changed.
+    """
+    if torch is not None and not in_range(torch):
+        raise SystemExit(f"bootstrap: --torch {torch} is outside the supported range {range_text()}")
+    venv = ROOT / (".venv" if torch is None else f".venv-torch{torch}")
+    python = _venv_python(venv)
     if not python.exists():
-        _run(sys.executable, "-m", "venv", VENV)
-    stamp = VENV / ".titan_dualpipe-installed"
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if stamp.exists() and stamp.read_text() == digest and _has_torch(python):
+        _run(sys.executable, "-m", "venv", venv)
+    installed = _torch_version(python)
+    if installed is not None and not in_range(installed) and torch is None:
+        raise SystemExit(
+            f"bootstrap: {venv.name} has torch {installed}, outside the supported range {range_text()}: "
+            f"install a supported torch into it (e.g. {python} -m pip install 'torch=={DEFAULT_TORCH}') or remove it"
+        )
+    wanted = torch or installed or DEFAULT_TORCH
+    stamp = venv / ".titan_dualpipe-installed"
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + str(ROOT).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == digest and installed is not None and _same(installed, wanted):
         return python
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    if not _has_torch(python):
-        _run(*pip, "torch==2.13.0")
+    if installed is None or not _same(installed, wanted):
+        _run(*pip, f"torch=={wanted}")
     _run(*pip, "-e", f".[{EXTRAS}]")
     stamp.write_text(digest)
     return python
 
 
+def _same(installed: str, wanted: str) -> bool:
+    """``2.13.0+cpu`` is ``2.13.0``."""
+    return installed.split("+")[0] == wanted.split("+")[0]
+
+
 def main(argv: list[str]) -> int:
+    torch = None
+    if argv[:1] == ["--torch"] and len(argv) > 1:
+        torch, argv = argv[1], argv[2:]
     if not argv or argv[0] not in ("train", "test", "run"):
         print(__doc__)
         return 2
-    python = ensure_venv()
+    python = ensure_venv(torch)
     command, rest = argv[0], argv[1:]
     if command == "test":
         args = [python, "-m", "pytest", "-q", *rest]

@@ -147,6 +147,7 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
+    from .._compat import runnable_on_gloo
 
     torch.manual_seed(0)
     model = MoETransformer(_model_args(cfg))
@@ -164,8 +165,8 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
     out: dict[str, tuple[Any, bool]] = {
         "overlap": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=True), feeds_v),
         "sequential": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=False), feeds_v),
-        "torch_dualpipev": (TorchDualPipeV(v_stages(), n, loss_fn=lm_loss), feeds_v),
-        "torch_zbv": (ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss), feeds_v),
+        "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(v_stages(), n, loss_fn=lm_loss)), feeds_v),
+        "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss)), feeds_v),
     }
     if cfg["relay"]:  # same initial weights (the same model split again), its own copies
         relayed = [split_parts(model, 2 * PP)[s] for s in v_ids]

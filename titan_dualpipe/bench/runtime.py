@@ -48,6 +48,7 @@ def _schedule(name: str, model: TinyLM, n: int, rank: int):
     from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV
+    from .._compat import runnable_on_gloo
 
     classes: dict[str, Callable[..., Any]] = {
         "DualPipeV": ScheduleDualPipeV, "DualPipeV sequential": functools.partial(ScheduleDualPipeV, overlap=False),
@@ -60,7 +61,7 @@ def _schedule(name: str, model: TinyLM, n: int, rank: int):
     for s in _stage_ids(name, rank):
         part = parts[s % PP] if name == "DualPipe" else parts[s]
         stages.append(PipelineStage(part, s, num_stages, torch.device("cpu")))
-    return classes[name](stages, n, loss_fn=lm_loss), stages
+    return runnable_on_gloo(classes[name](stages, n, loss_fn=lm_loss)), stages
 
 
 def _feeds(name: str, rank: int) -> bool:

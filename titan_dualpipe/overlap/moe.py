@@ -408,12 +408,12 @@ def _release(ref: weakref.ref) -> None:
 def _find_record(outputs: Sequence[torch.Tensor], limit: int = 10_000) -> tuple[Node, StageRecord]:
     """The record of the forward these outputs (or a loss computed from them) come from."""
     queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Node] = {}  # holds the nodes too: a freed node object's id may be reused
     while queue and len(seen) < limit:
         node = queue.pop(0)
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         record = node.metadata.get(_RECORD_KEY)
         if record is not None:
             if record.entry is None:

@@ -112,8 +112,11 @@ class SegmentLeaves:
 
 def _reachable_leaves(roots: Sequence[torch.Tensor], captures: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Leaves requiring grad behind ``roots``, not looking past the ``captures``."""
-    stops = {(id(edge.node), edge.output_nr) for edge in map(get_gradient_edge, captures)}
-    alive: list[Node] = [get_gradient_edge(c).node for c in captures]  # keeps the ids above valid
+    edges = [get_gradient_edge(c) for c in captures]
+    # Node ids are compared below, so every node object seen stays referenced: a freed
+    # wrapper's id can be reused by another node's (torch 2.11 frees them eagerly).
+    alive: list[Node] = [edge.node for edge in edges]
+    stops = {(id(edge.node), edge.output_nr) for edge in edges}
     leaves: list[torch.Tensor] = [r for r in roots if r.is_leaf and r.requires_grad]
     stack = [r.grad_fn for r in roots if r.grad_fn is not None]
     seen: set[int] = set()

@@ -40,6 +40,7 @@ from .._compat import (
     RECV_F,
     REDUCE_GRAD,
     RESHARD,
+    SPLIT_BACKWARD_NEEDS_UNSHARD,
     SEND_B,
     SEND_F,
     UNSHARD,
@@ -262,6 +263,8 @@ def _unshard_nested(stage: Any) -> None:
     Unsharded, it lists the same parameter objects the forward used. (The backward
     pre-hooks would unshard these modules moments later anyway.)
     """
+    if not SPLIT_BACKWARD_NEEDS_UNSHARD:
+        return
     for module in stage.submod.modules():
         if isinstance(module, FSDPModule):
             module.unshard()

@@ -13,13 +13,18 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.distributed as dist
 
+from torch._dynamo.eval_frame import OptimizedModule
+
 from .._compat import (
-    InferenceMode,
+    COMPILED_SPLIT_BACKWARD_WORKS,
     PipelineStage,
     _PipelineScheduleRuntime,
     _PipelineStageBase,
-    inference_mode_for,
+    agreed_inference_mode,
+    initialize_stages,
+    schedule_kwargs,
     set_chain_ends,
+    split_target,
 )
 from ..orders import compute_order, placement
 from ..orders.lowering import lower, validate_order
@@ -49,6 +54,27 @@ def _check_stages(name: str, stages: list[_PipelineStageBase]) -> None:
             f"got stage ids {sorted(got)} with num_stages {[s.num_stages for s in stages]}. "
             "Rank r holds stages r and 2*pp-1-r (V placement)."
         )
+
+
+def _compiled_modules(module: torch.nn.Module) -> list[str]:
+    """Names of the torch.compile'd modules inside ``module`` (wrapped, or compiled in place)."""
+    return [name or "<stage module>" for name, m in module.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def _check_not_compiled(name: str, stages: list[_PipelineStageBase]) -> None:
+    """ValueError for compiled stage modules while torch cannot split their backward."""
+    if COMPILED_SPLIT_BACKWARD_WORKS:
+        return
+    for stage in stages:
+        compiled = _compiled_modules(stage.submod)
+        if compiled:
+            raise ValueError(
+                f"{name}: stage {stage.stage_index} contains torch.compile'd modules ({', '.join(compiled[:4])}"
+                f"{', ...' if len(compiled) > 4 else ''}); the schedule's split backward (I, then W) cannot run "
+                f"through compiled graphs on torch {torch.__version__} (pytorch#161904). Build the stages from "
+                "uncompiled modules (torchtitan: [compile] enable = false, or components = [\"loss\"])."
+            )
 
 
 class _DualPipeFamily(_PipelineScheduleRuntime):
@@ -83,6 +109,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         record_timeline: bool = False,
     ) -> None:
         _check_stages(self.schedule_name, stages)
+        _check_not_compiled(self.schedule_name, stages)
         self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
         stages = sorted(stages, key=lambda s: s.stage_index)
         super().__init__(
@@ -94,8 +121,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             output_merge_spec=output_merge_spec,
             scale_grads=scale_grads,
             backward_requires_autograd=backward_requires_autograd,
-            defer_pp_recv=defer_pp_recv,
+            **schedule_kwargs(defer_pp_recv=defer_pp_recv),
         )
+        self._defer_pp_recv = defer_pp_recv
         place = self.placement
         self.stage_index_to_group_rank = {s: place.rank_of(s) for s in range(place.num_stages)}
         for stage in self._stages:
@@ -127,12 +155,43 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
 
     # -- step -------------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, **kwargs):
-        """Run one step on the whole batch (see the class docstring for who passes what)."""
+             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs):
+        """Run one step: whole-batch ``args``/``kwargs``/``target`` (split into microbatches
+        here) or pre-split ``arg_mbs``/``kwarg_mbs``/``target_mbs`` (one entry per microbatch).
+
+        See the class docstring for which ranks pass inputs. ``losses`` receives every
+        microbatch's loss on the ranks that hold a last stage; ``loss_kwargs`` go to
+        ``loss_fn``. Returns the merged outputs of this rank's last stage (or None).
+        """
+        if self._has_backward and self._backward_requires_autograd and not torch.is_grad_enabled():
+            raise RuntimeError("step() needs gradients enabled (it runs the backward); use eval() under torch.no_grad()")
         self._agree_on_inputs(args, kwargs, target)
-        return super().step(
-            *args, target=target, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs
-        )
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+            target_mbs = split_target(target, self._n_microbatches) if target is not None else None
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
+        for stage in self._stages:
+            if stage.is_last and return_outputs:
+                return self._merge_outputs(stage.output_chunks)
+        return None
+
+    def eval(self, *args, target=None, losses: list | None = None, arg_mbs: list | None = None,
+             kwarg_mbs: list | None = None, target_mbs: list | None = None, **kwargs):
+        """Forward only (no gradients), with ``step()``'s inputs."""
+        has_backward = self._has_backward
+        try:
+            self._has_backward = False
+            return self.step(*args, target=target, losses=losses, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs,
+                             target_mbs=target_mbs, **kwargs)
+        finally:
+            self._has_backward = has_backward
+
+    def _compute_loss(self, output, target, loss_kwargs=None):
+        return self._loss_fn(output, target, **(loss_kwargs or {}))
 
     def _input_problem(self, args: tuple, kwargs: dict, target: Any) -> str:
         """This rank's problem with its step() inputs, or ''."""
@@ -171,7 +230,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                            return_outputs=True, loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
-        self._initialize_stages(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         self._before_first_step()
         executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
         executor.run(self.pipeline_order_with_comms[self.rank])
@@ -291,9 +350,11 @@ class ScheduleDualPipe(_DualPipeFamily):
         return {**mine, **dict(zip(other_mbs, received.unbind()))}
 
     def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:
-        """Metadata-inference mode agreed by all ranks (torch's vote assumes a single chain)."""
-        vote = torch.tensor([min(int(inference_mode_for(s, has_backward) == InferenceMode.STATIC) for s in stages)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._group)
-        mode = InferenceMode.STATIC if vote.item() else InferenceMode.DYNAMIC
-        for stage in stages:
-            stage._inference_mode = mode
+        """Metadata-inference mode agreed by all ranks (torch 2.13+; torch's vote assumes a single chain)."""
+
+        def everyone_static(local_static: bool) -> bool:
+            vote = torch.tensor([int(local_static)], device=self._stages[0].device)
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._group)
+            return bool(vote.item())
+
+        agreed_inference_mode(stages, has_backward, everyone_static)

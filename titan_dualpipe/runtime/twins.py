@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -85,11 +86,20 @@ def copy_to_twin(
     Called symmetrically: each rank sends its direction-0 copy and receives into its
     direction-1 copy, which holds the same model part on the twin rank.
     """
+    for module in (source, target):  # FSDP2: copy between shards; a gathered copy would go stale
+        _reshard(module)
     mine = [_local(p) for p in source.parameters()]
     dest = [_local(p) for p in target.parameters()]
     _check_same_part(mine, dest, peer, group)
     for t, theirs in zip(dest, _exchange(mine, dest, peer, group)):
         t.copy_(theirs)
+
+
+def _reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 module in ``module`` (no-op when sharded)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -28,7 +28,32 @@ reads the device type or creates the process group, which is what every patch he
 
 from __future__ import annotations
 
-from . import cpu, data, grad_clip, pipeline, trainer_hooks
+from importlib.metadata import PackageNotFoundError, version
+
+# torchtitan releases this adapter was tested with (each with every supported torch, 2.11-2.14).
+TESTED_TORCHTITAN = ("0.2.2",)
+
+
+def check_torchtitan_version(found: str | None = None) -> str:
+    """ImportError naming the tested releases unless torchtitan ``found`` (default: installed) is one."""
+    if found is None:
+        try:
+            found = version("torchtitan")
+        except PackageNotFoundError:
+            raise ImportError(
+                "titan_dualpipe.titan needs torchtitan: pip install 'titan_dualpipe[titan]' (torchtitan==0.2.2)"
+            ) from None
+    if found not in TESTED_TORCHTITAN:
+        raise ImportError(
+            f"titan_dualpipe.titan supports torchtitan {' and '.join(TESTED_TORCHTITAN)}; found torchtitan {found}. "
+            "Install a tested release (pip install torchtitan==0.2.2)."
+        )
+    return found
+
+
+TORCHTITAN_VERSION = check_torchtitan_version()
+
+from . import cpu, data, grad_clip, pipeline, trainer_hooks  # noqa: E402 - after the version check
 from .config_check import Plan, check_job_config, our_schedule
 
 CPU_MODE = cpu.enable()
@@ -37,4 +62,4 @@ pipeline.install()
 grad_clip.install()
 trainer_hooks.install()
 
-__all__ = ["CPU_MODE", "Plan", "check_job_config", "our_schedule"]
+__all__ = ["CPU_MODE", "Plan", "TORCHTITAN_VERSION", "check_job_config", "check_torchtitan_version", "our_schedule"]

@@ -24,6 +24,7 @@ CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
 FIRST_LESS_KEY = "[parallelism] pipeline_parallel_first_stage_less_layers"
 LAST_LESS_KEY = "[parallelism] pipeline_parallel_last_stage_less_layers"
 VALIDATION_BATCH_KEY = "[validation] local_batch_size"
+COMPILE_KEY = "[compile] enable"
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,24 @@ def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | Non
     _check_schedule_requirements(plan, job_config)
     _check_validation_batch(plan, job_config)
     _check_split(plan, par, n_layers)
+    _check_compile(plan, job_config)
     if par.pipeline_parallel_schedule_csv:
         _check_csv(plan, par.pipeline_parallel_schedule_csv)
     return plan
+
+
+def _check_compile(plan: Plan, job_config: Any) -> None:
+    """Compiled blocks cannot run our split backward (see ``_compat.COMPILED_SPLIT_BACKWARD_WORKS``)."""
+    from .._compat import COMPILED_SPLIT_BACKWARD_WORKS
+
+    compile_cfg = getattr(job_config, "compile", None)
+    if COMPILED_SPLIT_BACKWARD_WORKS or compile_cfg is None or not compile_cfg.enable:
+        return
+    if "model" in compile_cfg.components:
+        raise ValueError(
+            f"{plan.schedule}: {COMPILE_KEY} = true compiles the model's blocks, whose split backward (I, then W) "
+            "torch cannot run (pytorch#161904): set [compile] enable = false, or components = [\"loss\"]."
+        )
 
 
 def _microbatches(job_config: Any, schedule: str) -> int:

@@ -1,0 +1,123 @@
+"""The supported torch range, and the torch problems we work around, on the installed torch.
+
+Each workaround test shows whether torch's own path is still wrong on this version and that
+the flag in ``titan_dualpipe._compat`` (which decides whether our workaround runs) says the
+same, so a torch release that fixes one of them fails here until the flag follows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeline_cases as cases
+from dist_pool import WorkerPool
+from titan_dualpipe import _compat, bootstrap, compute_order, placement
+from titan_dualpipe.orders.dryrun import dry_run
+from titan_dualpipe.orders.lowering import lower
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(WORLD)
+    yield p
+    p.close()
+
+
+def test_one_supported_range_everywhere():
+    """pyproject's requirement, the import check and the setup script agree: 2.11 to 2.14."""
+    assert _compat.SUPPORTED_TORCH == (">=2.11", "<2.15")
+    assert bootstrap.range_text() == "torch" + ",".join(_compat.SUPPORTED_TORCH)
+    for version in ("2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1+cu130"):
+        assert bootstrap.in_range(version)
+        _compat.check_torch_version(version)
+    for version in ("2.10.0", "2.15.0", "3.0.0"):
+        assert not bootstrap.in_range(version)
+        with pytest.raises(ImportError, match=r"supports torch >=2.11,<2.15 .* found torch " + version):
+            _compat.check_torch_version(version)
+
+
+def test_setup_refuses_an_unsupported_torch_before_installing():
+    with pytest.raises(SystemExit, match=r"--torch 2.10.0 is outside the supported range torch>=2.11,<2.15"):
+        bootstrap.ensure_venv("2.10.0")
+
+
+def test_torch_deferred_recvs_mismatch_v_messages_ours_do_not():
+    """torch's ``_defer_recv_ops`` (2.13+) reorders recvs from one peer, and V neighbours
+    exchange activations and gradients of one shape over one channel: data would land in
+    the wrong buffer. Our ``defer_pp_recv`` keeps per-peer order on every version."""
+    place = placement("DualPipeV", 4, 8)
+    dry_run(lower(compute_order("DualPipeV", 4, 8), place, defer_recv=True), place)
+    if _compat.TORCH_DEFER_RECV_OPS is None:
+        pytest.skip(f"torch {torch.__version__} has no receive deferral of its own (added in 2.13)")
+    lowered = lower(compute_order("DualPipeV", 4, 8), place)
+    with pytest.raises(ValueError, match="would receive the data meant for"):
+        dry_run(_compat.TORCH_DEFER_RECV_OPS(lowered, place.rank_of), place)
+
+
+def test_torch_lowering_still_rejects_two_chains():
+    """torch's ``_add_send_recv`` assumes one chain ``0..N-1``: DualPipe needs ours."""
+    place = placement("DualPipe", 4, 8)
+    order = compute_order("DualPipe", 4, 8)
+    per_rank = {r: _compat._add_reduce_grad(_compat._add_unshard_reshard(list(a)), 4) for r, a in order.items()}
+    with pytest.raises(Exception):
+        _compat._add_send_recv(per_rank, place.rank_of, place.num_stages)
+    dry_run(lower(order, place), place)
+
+
+@pytest.mark.parametrize("name", ["ZBVZeroBubble", "torch DualPipeV"])
+def test_split_backward_under_nested_fsdp2_matches_the_flag(pool, name):
+    """With nested FSDP2 (4 x 1 mesh: split backwards run before full ones on most ranks),
+    torch's own V schedule loses weight gradients exactly when ``SPLIT_BACKWARD_NEEDS_UNSHARD``
+    says so; without FSDP the same schedule is right (so the difference is FSDP's)."""
+    plain = max(e for e in pool.run(cases.torch_schedule_grad_error, name=name, pp=4, n=8, fsdp=False) if e is not None)
+    assert plain <= cases.ATOL, f"torch's {name} is wrong even without FSDP: {plain}"
+    nested = max(pool.run(cases.torch_schedule_grad_error, name=name, pp=4, n=8, fsdp=True))
+    torch_is_wrong = nested > cases.ATOL
+    assert torch_is_wrong == _compat.SPLIT_BACKWARD_NEEDS_UNSHARD, (
+        f"torch {torch.__version__}: {name} with nested FSDP2 has gradient error {nested}, but "
+        f"SPLIT_BACKWARD_NEEDS_UNSHARD={_compat.SPLIT_BACKWARD_NEEDS_UNSHARD}")
+
+
+def _split_backward_grads(block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    """torch's split backward of one stage: input grads (I), then weight grads (W)."""
+    x = x.detach().requires_grad_()
+    out = block(x)
+    _, param_groups = _compat.stage_backward_input([out], [grad], [x], block.parameters())
+    _compat.stage_backward_weight(block.parameters(), param_groups)
+    return [p.grad for p in block.parameters()]
+
+
+def test_compiled_blocks_match_the_flag():
+    """torch.compile'd blocks in torch's split backward (pytorch#161904) fail or give other
+    gradients than plain autograd exactly when ``COMPILED_SPLIT_BACKWARD_WORKS`` is False."""
+    import copy
+
+    from titan_dualpipe.bench.model import Block
+
+    torch.manual_seed(0)
+    plain = Block(dim=16, heads=2)
+    compiled = copy.deepcopy(plain)
+    compiled.compile(backend="aot_eager")  # in place, as torchtitan compiles each block
+    x, grad = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    compiled(x.clone().requires_grad_()).backward(grad)  # a full backward first, as a schedule runs
+    compiled.zero_grad()
+    out = plain(x.requires_grad_())
+    out.backward(grad)
+    try:
+        got = _split_backward_grads(compiled, x, grad)
+        works = all(g is not None and torch.equal(g, p.grad) for g, p in zip(got, plain.parameters(), strict=True))
+    except RuntimeError as err:
+        assert any(m in str(err) for m in ("donated buffers", "stage backward input", "not used in the graph")), err
+        works = False
+    assert works == _compat.COMPILED_SPLIT_BACKWARD_WORKS, f"torch {torch.__version__}: compiled split backward works={works}"
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
+def test_compiled_stages_are_refused_on_every_rank(pool, schedule):
+    if _compat.COMPILED_SPLIT_BACKWARD_WORKS:
+        pytest.skip("compiled blocks work in torch's split backward on this torch")
+    messages = [m for m in pool.run(cases.compiled_stages_refused, schedule=schedule, pp=2, n=4) if m is not None]
+    assert len(messages) == 2 and all("pytorch#161904" in m and "(layers." in m for m in messages), messages
