@@ -3,13 +3,17 @@
     python3 titan_dualpipe/bootstrap.py train train_configs/debug_dualpipev.toml --nproc 2
     python3 titan_dualpipe/bootstrap.py test [pytest args...]
     python3 titan_dualpipe/bootstrap.py --torch 2.11.0 test -m "not titan_e2e"
+    python3 titan_dualpipe/bootstrap.py --torchtitan 0.3.0 train debug_dualpipev --nproc 2
 
-Without ``--torch`` the environment is ``.venv``: a torch already in it is kept if it is in
-the supported range (``pyproject.toml``), a venv without torch gets ``torch==2.13.0`` (the CPU
-build), and a torch outside the range stops with a message naming the range. ``--torch X``
-uses ``.venv-torchX`` with exactly ``torch==X`` (a CUDA build from the registry for versions
-other than 2.13.0; it runs on CPU too). Everything else comes from ``pyproject.toml``;
-downloads stay in pip's cache, so a second environment of the same torch installs quickly.
+Without options the environment is ``.venv`` with torchtitan 0.2.2: a torch already in it is
+kept if it is in the supported range (``pyproject.toml``), a venv without torch gets
+``torch==2.13.0`` (the CPU build), and a torch outside the range stops with a message naming
+the range. ``--torch X`` uses ``.venv-torchX`` with exactly ``torch==X`` (a CUDA build from
+the registry for versions other than 2.13.0; it runs on CPU too). ``--torchtitan 0.3.0`` uses
+``.venv-torch2.14.1-torchtitan0.3.0`` (with ``--torch X``: ``.venv-torchX-torchtitan0.3.0``),
+torchtitan 0.3.0 and torch 2.14.1, the torch it is tested with. Everything else comes from
+``pyproject.toml``; downloads stay in pip's cache, so a second environment of the same torch
+installs quickly.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TORCH = "2.13.0"
-EXTRAS = "titan,test,plot"
+EXTRAS = ("test", "plot")  # besides the torchtitan extra
+# torchtitan release -> (pyproject extra that installs it, the torch it is tested with)
+TORCHTITAN = {"0.2.2": ("titan", DEFAULT_TORCH), "0.3.0": ("titan030", "2.14.1")}
 _TORCH_REQUIREMENT = re.compile(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"')
 
 
@@ -60,15 +66,28 @@ def _torch_version(python: Path) -> str | None:
     return probe.stdout.strip() if probe.returncode == 0 else None
 
 
-def ensure_venv(torch: str | None = None) -> Path:
+def venv_name(torch: str | None, torchtitan: str | None) -> str:
+    """``.venv``, ``.venv-torchX`` or ``.venv-torchX-torchtitanY``."""
+    if torchtitan is None or torchtitan == "0.2.2":
+        return ".venv" if torch is None else f".venv-torch{torch}"
+    return f".venv-torch{torch or TORCHTITAN[torchtitan][1]}-torchtitan{torchtitan}"
+
+
+def ensure_venv(torch: str | None = None, torchtitan: str | None = None) -> Path:
     """The environment's python, with the package, its extras and a supported torch installed.
 
     ``torch=None``: ``.venv``, keeping a supported torch already there. ``torch="X"``:
-    ``.venv-torchX`` with ``torch==X``. Reinstalls only when pyproject.toml or torch changed.
+    ``.venv-torchX`` with ``torch==X``. ``torchtitan="0.3.0"``: torchtitan 0.3.0 with its
+    tested torch (or ``torch``). Reinstalls only when pyproject.toml or torch changed.
     """
     if torch is not None and not in_range(torch):
         raise SystemExit(f"bootstrap: --torch {torch} is outside the supported range {range_text()}")
-    venv = ROOT / (".venv" if torch is None else f".venv-torch{torch}")
+    if torchtitan is not None and torchtitan not in TORCHTITAN:
+        raise SystemExit(f"bootstrap: --torchtitan {torchtitan}: tested releases are {', '.join(TORCHTITAN)}")
+    extra, titan_torch = TORCHTITAN[torchtitan or "0.2.2"]
+    if torchtitan is not None and torch is None:
+        torch = titan_torch
+    venv = ROOT / venv_name(torch, torchtitan)
     python = _venv_python(venv)
     if not python.exists():
         _run(sys.executable, "-m", "venv", venv)
@@ -86,7 +105,7 @@ def ensure_venv(torch: str | None = None) -> Path:
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if installed is None or not _same(installed, wanted):
         _run(*pip, f"torch=={wanted}")
-    _run(*pip, "-e", f".[{EXTRAS}]")
+    _run(*pip, "-e", f".[{','.join((extra, *EXTRAS))}]")
     stamp.write_text(digest)
     return python
 
@@ -97,13 +116,13 @@ def _same(installed: str, wanted: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    torch = None
-    if argv[:1] == ["--torch"] and len(argv) > 1:
-        torch, argv = argv[1], argv[2:]
+    options: dict[str, str] = {}
+    while argv[:1] in (["--torch"], ["--torchtitan"]) and len(argv) > 1:
+        options[argv[0][2:]], argv = argv[1], argv[2:]
     if not argv or argv[0] not in ("train", "test", "run"):
         print(__doc__)
         return 2
-    python = ensure_venv(torch)
+    python = ensure_venv(options.get("torch"), options.get("torchtitan"))
     command, rest = argv[0], argv[1:]
     if command == "test":
         args = [python, "-m", "pytest", "-q", *rest]

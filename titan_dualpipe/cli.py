@@ -13,7 +13,7 @@ import sys
 COMMAND_MODULES = (
     "titan_dualpipe.orders.cli",  # csv
     "titan_dualpipe.bench.cli",  # bench
-    "titan_dualpipe.titan.launch",  # train
+    "titan_dualpipe.launch",  # train (torchtitan is imported only when it runs)
     "titan_dualpipe.sim.cli",  # simulate, draw
     "titan_dualpipe.sim.profile",  # profile
 )

@@ -166,7 +166,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """
         if self._has_backward and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() needs gradients enabled (it runs the backward); use eval() under torch.no_grad()")
-        self._agree_on_inputs(args, kwargs, target)
+        # pre-split inputs count as given (torchtitan 0.3.0 passes only arg_mbs / target_mbs)
+        self._agree_on_inputs(args or tuple(arg_mbs or ()), kwargs, target if target_mbs is None else target_mbs)
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()

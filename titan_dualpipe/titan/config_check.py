@@ -1,8 +1,11 @@
 """Check a torchtitan job config that names one of our schedules, before any collective.
 
-Every rank reads the same TOML and overrides, so every rank reaches the same verdict and
+Every rank reads the same config and overrides, so every rank reaches the same verdict and
 raises the same ``ValueError`` before ``init_process_group``: a bad config stops the whole
-job at once instead of leaving some ranks waiting in a collective.
+job at once instead of leaving some ranks waiting in a collective. Messages name the fields
+the way the installed torchtitan spells them: ``[parallelism] pipeline_parallel_degree`` in a
+0.2.2 TOML, ``parallelism.pipeline_parallel_degree`` (``--parallelism.pipeline_parallel_degree``)
+in 0.3.0.
 """
 
 from __future__ import annotations
@@ -13,18 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..orders.placement import canonical_name, check_requirements
+from .generation import GEN
 
-SCHEDULE_KEY = "[parallelism] pipeline_parallel_schedule"
-DEGREE_KEY = "[parallelism] pipeline_parallel_degree"
-BATCH_KEY = "[training] local_batch_size"
-MICROBATCH_KEY = "[parallelism] pipeline_parallel_microbatch_size"
-LAYERS_PER_STAGE_KEY = "[parallelism] pipeline_parallel_layers_per_stage"
-FQNS_KEY = "[parallelism] module_fqns_per_model_part"
-CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
-FIRST_LESS_KEY = "[parallelism] pipeline_parallel_first_stage_less_layers"
-LAST_LESS_KEY = "[parallelism] pipeline_parallel_last_stage_less_layers"
-VALIDATION_BATCH_KEY = "[validation] local_batch_size"
-COMPILE_KEY = "[compile] enable"
+SCHEDULE_KEY = GEN.key("parallelism.pipeline_parallel_schedule")
+DEGREE_KEY = GEN.key("parallelism.pipeline_parallel_degree")
+BATCH_KEY = GEN.key("training.local_batch_size")
+MICROBATCH_KEY = GEN.key("parallelism.pipeline_parallel_microbatch_size")
+LAYERS_PER_STAGE_KEY = GEN.key("parallelism.pipeline_parallel_layers_per_stage")
+FQNS_KEY = GEN.key("parallelism.module_fqns_per_model_part")
+CSV_KEY = GEN.key("parallelism.pipeline_parallel_schedule_csv")
+FIRST_LESS_KEY = GEN.key("parallelism.pipeline_parallel_first_stage_less_layers")
+LAST_LESS_KEY = GEN.key("parallelism.pipeline_parallel_last_stage_less_layers")
+VALIDATION_BATCH_KEY = GEN.key("validation.local_batch_size")  # 0.2.2; 0.3.0 validates with the training batch
+COMPILE_KEY = GEN.key("compile.enable")
+COMPONENTS_KEY = GEN.key("compile.components")
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ def _check_compile(plan: Plan, job_config: Any) -> None:
     if "model" in compile_cfg.components:
         raise ValueError(
             f"{plan.schedule}: {COMPILE_KEY} = true compiles the model's blocks, whose split backward (I, then W) "
-            "torch cannot run (pytorch#161904): set [compile] enable = false, or components = [\"loss\"]."
+            f'torch cannot run (pytorch#161904): set {COMPILE_KEY} = false, or {COMPONENTS_KEY} = ["loss"].'
         )
 
 
@@ -167,10 +172,10 @@ def _check_split(plan: Plan, par: Any, n_layers: int | None) -> None:
 
 
 def _check_generated_split(plan: Plan, n_layers: int, first: int, last: int, what: str) -> None:
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+    from torchtitan.distributed import pipeline_parallel
 
     try:
-        generate_llm_fqn_per_model_part(plan.model_parts, n_layers, first, last)
+        getattr(pipeline_parallel, GEN.fqn_fn)(plan.model_parts, n_layers, first, last)
     except ValueError as err:
         raise ValueError(
             f"{plan.schedule} with {DEGREE_KEY} = {plan.pp} needs {what} of a {n_layers}-layer model: "

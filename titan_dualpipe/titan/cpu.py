@@ -1,4 +1,4 @@
-"""CPU mode: let torchtitan 0.2.2 train with gloo on a machine without an accelerator.
+"""CPU mode: let torchtitan train with gloo on a machine without an accelerator.
 
 torchtitan assumes an accelerator. What breaks without one, each fixed here:
 
@@ -15,7 +15,11 @@ torchtitan assumes an accelerator. What breaks without one, each fixed here:
    divide factor to 1, which FSDP2 turns into a ``ReduceOp.PREMUL_SUM(1.0)`` reduce-scatter,
    an op gloo lacks. The same call now also asks for SUM-only collectives
    (``set_force_sum_reduction_for_comms``): a SUM and a division by 1, the same gradients.
-5. MoE layers use an integer ``torch.histc`` and a Triton kernel: :mod:`.cpu_moe`.
+5. 0.2.2's MoE layers use an integer ``torch.histc`` and a Triton kernel: :mod:`.cpu_moe`.
+6. 0.3.0's decoders attend with flex attention, which has no backward on CPU:
+   :mod:`.cpu_attention`.
+
+Which modules hold those names differs by release (:mod:`.generation`).
 
 :func:`enable` does nothing when an accelerator is present (``torch._utils.
 _get_available_device_type()`` is not None), so GPU runs are unchanged.
@@ -35,24 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import cpu_moe
-
-# torchtitan modules that bind device_type / device_module at import time.
-_DEVICE_TYPE_MODULES = (
-    "torchtitan.tools.utils",
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.utils",
-)
-# Modules whose apply_fsdp calls their global disable_fsdp_gradient_division (llama3's own;
-# llama4's, which deepseek_v3, qwen3 and gpt_oss use).
-_FSDP_DIVISION_MODULES = ("torchtitan.models.llama3.infra.parallelize", "torchtitan.models.llama4.infra.parallelize")
-_DEVICE_MODULE_MODULES = (
-    "torchtitan.tools.utils",
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.utils",
-    "torchtitan.tools.profiling",
-)
+from . import cpu_attention, cpu_moe
+from .generation import GEN
 
 
 class CpuDeviceModule:
@@ -100,7 +88,7 @@ def with_sum_only_reductions(disable_division: Callable[[nn.Module], None]) -> C
 
 
 def _patch_fsdp_division() -> None:
-    for name in _FSDP_DIVISION_MODULES:
+    for name in GEN.fsdp_division_modules:
         module = importlib.import_module(name)
         if not getattr(module.disable_fsdp_gradient_division, "_titan_dualpipe", False):
             module.disable_fsdp_gradient_division = with_sum_only_reductions(module.disable_fsdp_gradient_division)
@@ -115,12 +103,12 @@ def enable() -> bool:
     if accelerator_present():
         return False
     device_module = CpuDeviceModule()
-    for name in _DEVICE_TYPE_MODULES:
+    for name in GEN.device_type_modules:
         importlib.import_module(name).device_type = "cpu"
-    for name in _DEVICE_MODULE_MODULES:
+    for name in GEN.device_module_modules:
         importlib.import_module(name).device_module = device_module
     utils = importlib.import_module("torchtitan.tools.utils")
     utils.get_device_info = lambda: ("cpu", device_module)
     _patch_fsdp_division()
-    cpu_moe.enable()
+    (cpu_attention if GEN.registry else cpu_moe).enable()
     return True

@@ -1,8 +1,9 @@
 """The shipped dataset, and shipped-asset paths that work from any directory.
 
-- ``[training] dataset = "titan_dualpipe_tiny"`` reads the generated corpus in
-  ``titan_dualpipe/titan/assets/tiny_corpus`` (found wherever the package is installed).
-- A relative path in a TOML is relative to the working directory (torchtitan's rule). So that
+- The dataset name ``titan_dualpipe_tiny`` (0.2.2: ``[training] dataset``; 0.3.0:
+  ``dataloader.dataset``) reads the generated corpus in ``titan_dualpipe/titan/assets/tiny_corpus``
+  (found wherever the package is installed).
+- A relative path in a config is relative to the working directory (torchtitan's rule). So that
   the debug configs also run from outside the repository, a relative path that does not exist
   there but starts with ``titan_dualpipe/`` is taken from the installed package instead.
 """
@@ -14,19 +15,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .generation import GEN
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"  # written by make_assets.py
 TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 DATASET_FILE = ASSETS_DIR / "tiny_corpus" / "train.jsonl"
 DATASET_NAME = "titan_dualpipe_tiny"
 PACKAGE_PARENT = ASSETS_DIR.parent.parent.parent
-
-# (section, field) of every path option that may point at shipped assets.
-PATH_KEYS = (
-    ("model", "hf_assets_path"),
-    ("model", "tokenizer_path"),
-    ("training", "dataset_path"),
-    ("parallelism", "pipeline_parallel_schedule_csv"),
-)
 
 
 def _load_jsonl(path: str) -> Any:
@@ -63,6 +58,11 @@ def resolve_asset_path(path: str | None) -> str | None:
 
 
 def resolve_asset_paths(job_config: Any) -> None:
-    for section, key in PATH_KEYS:
-        options = getattr(job_config, section)
-        setattr(options, key, resolve_asset_path(getattr(options, key)))
+    """Resolve every path field of the installed torchtitan's config that may name shipped assets."""
+    for dotted in GEN.asset_paths:
+        *sections, key = dotted.split(".")
+        options = job_config
+        for section in sections:
+            options = getattr(options, section, None)
+        if options is not None and hasattr(options, key):
+            setattr(options, key, resolve_asset_path(getattr(options, key)))

@@ -1,22 +1,53 @@
 """torchtitan's expert-parallel all-to-all as hand-over points of our overlapped pairs.
 
-torchtitan 0.2.2's ``ExpertParallel`` (:mod:`torchtitan.distributed.expert_parallel`)
-dispatches and combines tokens with ``all_to_all_single_autograd``, a name that module
-looks up at call time. Under our schedules it becomes
+Under our schedules, torchtitan's token dispatch and combine become
 :func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single`: the same exchange with the
-same functional collective op (so activation-checkpointing policies treat it alike) and
-the same bits, which hands over to the partner half of a relayed pair between posting and
+same functional collective op (so activation-checkpointing policies treat it alike) and the
+same bits, which hands over to the partner half of a relayed pair between posting and
 waiting, forward and backward. torchtitan's MoE blocks then overlap their dispatch and
 combine with the other half's compute in every DualPipe / DualPipeV pair, the model
-unchanged (:mod:`titan_dualpipe.overlap.relay`). DeepEP's dispatch (``moe_impl = "deepep"``)
-has its own communication and is left as it is.
+unchanged (:mod:`titan_dualpipe.overlap.relay`).
+
+- 0.2.2: ``ExpertParallel`` (:mod:`torchtitan.distributed.expert_parallel`) calls
+  ``all_to_all_single_autograd``, a name that module looks up at call time.
+- 0.3.0: ``AllToAllTokenDispatcher`` (:mod:`torchtitan.models.common.token_dispatcher`) posts
+  both exchanges from two methods, ``_dispatch_token_exchange`` and
+  ``_combine_token_exchange``, given the expert-parallel process group.
+
+DeepEP / HybridEP dispatch has its own communication and is left as it is.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
+from .generation import GEN
+
+
+def _dispatch_token_exchange(self: Any, routed: torch.Tensor, pg: Any, output_splits: list[int],
+                             input_splits: list[int]) -> torch.Tensor:
+    from ..overlap.comm import relayed_all_to_all_single
+
+    return relayed_all_to_all_single(routed, output_splits, input_splits, pg)
+
+
+def _combine_token_exchange(self: Any, routed: torch.Tensor, pg: Any, input_splits: list[int],
+                            output_splits: list[int]) -> torch.Tensor:
+    from ..overlap.comm import relayed_all_to_all_single
+
+    return relayed_all_to_all_single(routed, input_splits, output_splits, pg)
+
 
 def install() -> None:
     """Route torchtitan's expert-parallel all-to-all through the relay (idempotent)."""
+    if GEN.registry:
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+        AllToAllTokenDispatcher._dispatch_token_exchange = _dispatch_token_exchange
+        AllToAllTokenDispatcher._combine_token_exchange = _combine_token_exchange
+        return
     from torchtitan.distributed import expert_parallel
 
     from ..overlap.comm import relayed_all_to_all_single

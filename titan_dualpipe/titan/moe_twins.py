@@ -1,7 +1,9 @@
 """DualPipe + MoE: keep the twins' load-balancing state identical.
 
-torchtitan's MoE counts routed tokens per expert in a buffer (``tokens_per_expert``) during
-the forward, and an optimizer step pre-hook turns the counts into an ``expert_bias`` update.
+torchtitan's MoE counts routed tokens per expert in a buffer (``tokens_per_expert``; 0.3.0:
+``tokens_per_expert_E``) during the forward, and an optimizer step pre-hook (registered by the
+train spec's ``build_optimizers_fn``; 0.3.0: the model spec's ``post_optimizer_build_fn``)
+turns the counts into an ``expert_bias`` update.
 Under DualPipe each copy of a model part sees only its direction's half of the microbatches,
 so the two copies would count different tokens and their biases (hence routing) would drift
 apart. A pre-hook placed before torchtitan's adds the twin's counts to each copy: both then
@@ -16,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .generation import GEN
 from .pipeline import ACTIVE
-
-COUNT_BUFFER = "tokens_per_expert"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ def expert_counts(parts: dict[int, nn.Module]) -> list[torch.Tensor]:
         _local(buf)
         for part in sorted(parts)
         for name, buf in parts[part].named_buffers()
-        if name.rsplit(".", 1)[-1] == COUNT_BUFFER
+        if name.rsplit(".", 1)[-1] == GEN.expert_count_buffer
     ]
 
 
@@ -60,14 +61,29 @@ def _active_parts_and_peer() -> tuple[dict[int, nn.Module], int, dist.ProcessGro
     return parts, dist.get_global_rank(group, plan.pp - 1 - rank), group
 
 
+def add_twin_count_hook(optimizers: Any, model_parts: list[nn.Module]) -> None:
+    """Register the twin-count sum as the first optimizer step pre-hook (before the bias update)."""
+    if expert_counts(dict(enumerate(model_parts))):
+        handle = optimizers.register_step_pre_hook(lambda *_a, **_k: sum_twin_counts(*_active_parts_and_peer()))
+        optimizers._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+
+
 def with_twin_expert_counts(build_optimizers: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a train spec's ``build_optimizers_fn`` to add the twin-count pre-hook first."""
+    """0.2.2: wrap a train spec's ``build_optimizers_fn``."""
 
     def build_optimizers_fn(model_parts: list[nn.Module], *args: Any, **kwargs: Any) -> Any:
         optimizers = build_optimizers(model_parts, *args, **kwargs)
-        if expert_counts(dict(enumerate(model_parts))):
-            handle = optimizers.register_step_pre_hook(lambda *_a, **_k: sum_twin_counts(*_active_parts_and_peer()))
-            optimizers._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)  # before the bias update
+        add_twin_count_hook(optimizers, model_parts)
         return optimizers
 
     return build_optimizers_fn
+
+
+def with_twin_expert_counts_030(post_build: Callable[..., None]) -> Callable[..., None]:
+    """0.3.0: wrap a model spec's ``post_optimizer_build_fn(optimizers, model_parts, parallel_dims)``."""
+
+    def post_optimizer_build_fn(optimizers: Any, model_parts: list[nn.Module], *args: Any, **kwargs: Any) -> None:
+        post_build(optimizers, model_parts, *args, **kwargs)
+        add_twin_count_hook(optimizers, model_parts)
+
+    return post_optimizer_build_fn

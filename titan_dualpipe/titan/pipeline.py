@@ -2,7 +2,8 @@
 
 ``pipeline_llm`` (every LLM's ``pipelining_fn``) looks these module-level names up at call
 time, so replacing them redirects it for our two schedule names and leaves every other
-name on torchtitan's own code path:
+name on torchtitan's own code path (0.3.0 names the last three with a leading underscore and
+calls the builder with keywords; :mod:`.generation` holds the names):
 
 - ``get_schedule_class``: "DualPipeV" / "DualPipe" (any case) -> our classes (torch's map is
   closed, and torch's own "DualPipeV" would otherwise win).
@@ -14,10 +15,11 @@ name on torchtitan's own code path:
 - ``build_pipeline_schedule``: builds our class directly, so torchtitan's threaded
   ``OVERLAP_F_B`` callback (GPU-only, tied to torch's ``ScheduleDualPipeV``) is never
   registered on it, and a CSV order is loaded by our class, whose lowering knows both chains.
-  ``[parallelism] pipeline_parallel_expert_parallel_overlap`` (torchtitan's switch, default
-  true) becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
+  The overlap switch (0.2.2: torchtitan's ``[parallelism]
+  pipeline_parallel_expert_parallel_overlap``; 0.3.0: our ``dualpipe.overlap``; default true)
+  becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
 
-``get_dual_pipe_v_flag`` (``torchtitan.distributed.dual_pipe_v``, and bound by name in each
+0.2.2 only: ``get_dual_pipe_v_flag`` (``torchtitan.distributed.dual_pipe_v``, and bound by name in each
 model's ``parallelize`` module: patched there by :func:`patch_dual_pipe_v_flag`) decides by the
 name "dualpipev" to wrap expert parallelism in torchtitan's ``SyncHook``s, which only that
 callback drives, and then refuses activation checkpointing. For our names it returns False:
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .config_check import Plan, our_schedule
+from .generation import GEN
 
 V_STYLE_NAME = "ZBVZeroBubble"  # a torch schedule torchtitan places in a V
 
@@ -39,6 +42,7 @@ class ActiveRun:
     """This process's pipeline: set when the config is checked, filled as it is built."""
 
     plan: Plan | None = None
+    overlap: bool = True
     stages: list[Any] = field(default_factory=list)
 
 
@@ -73,13 +77,14 @@ def make_generate_fqns(original: Callable[..., list[list[str]]]) -> Callable[...
 
 def make_module_split(original: Callable[..., tuple[list, list]]) -> Callable[..., tuple[list, list]]:
     def pipeline_module_split(
-        whole_model: Any, pp_mesh: Any, pp_schedule: str, device: Any, module_names_per_stage: list[list[str]]
+        whole_model: Any, pp_mesh: Any, pp_schedule: str, device: Any, module_names_per_stage: list[list[str]],
+        **kwargs: Any,
     ) -> tuple[list, list]:
         ours = our_schedule(pp_schedule)
         if ours is None:
-            return original(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage)
+            return original(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage, **kwargs)
         per_stage = stage_module_names(ours, pp_mesh.size(), module_names_per_stage)
-        stages, models = original(whole_model, pp_mesh, V_STYLE_NAME, device, per_stage)
+        stages, models = original(whole_model, pp_mesh, V_STYLE_NAME, device, per_stage, **kwargs)
         ACTIVE.stages = stages
         return stages, models
 
@@ -97,28 +102,58 @@ def stage_module_names(schedule: str, pp: int, parts: list[list[str]]) -> list[l
     return [*parts, *parts] if schedule == "DualPipe" else list(parts)
 
 
+def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, loss_fn: Callable) -> Any:
+    """Our class ``name`` for torchtitan's parallelism config, stages and loss."""
+    from torchtitan.tools.logging import logger
+
+    n = local_batch_size // par.pipeline_parallel_microbatch_size
+    # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
+    schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
+                                    overlap=ACTIVE.overlap)
+    csv = par.pipeline_parallel_schedule_csv
+    if csv:
+        schedule._load_csv(csv)
+    logger.info(
+        f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
+        + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
+    )
+    return schedule
+
+
+def _scalar_loss(loss_fn: Callable) -> Callable:
+    """0.3.0's loss functions return ``(loss, extra)``; schedules want the loss."""
+
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        return loss_fn(*args, **kwargs)[0]
+
+    return loss
+
+
 def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.2: ``build_pipeline_schedule(job_config, stages, loss_fn)``."""
+
     def build_pipeline_schedule(job_config: Any, stages: list, loss_fn: Callable) -> Any:
         par = job_config.parallelism
         ours = our_schedule(par.pipeline_parallel_schedule)
         if ours is None or par.pipeline_parallel_degree <= 1:
             return original(job_config, stages, loss_fn)
-        from torchtitan.tools.logging import logger
-
-        n = job_config.training.local_batch_size // par.pipeline_parallel_microbatch_size
-        # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
-        overlap = par.pipeline_parallel_expert_parallel_overlap
-        schedule = schedule_class(ours)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False, overlap=overlap)
-        if par.pipeline_parallel_schedule_csv:
-            schedule._load_csv(par.pipeline_parallel_schedule_csv)
-        logger.info(
-            f"Using titan_dualpipe {ours} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
-            + (f" from {par.pipeline_parallel_schedule_csv}" if par.pipeline_parallel_schedule_csv else "")
-            + ("" if overlap else ", overlapped pairs run sequentially")
-        )
-        return schedule
+        return build_schedule(ours, par, job_config.training.local_batch_size, stages, loss_fn)
 
     return build_pipeline_schedule
+
+
+def make_build_schedule_030(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.3.0: ``_build_pipeline_schedule(*, parallelism, local_batch_size, stages, loss_fn, ...)``."""
+
+    def _build_pipeline_schedule(*, parallelism: Any, local_batch_size: int, stages: list, loss_fn: Callable,
+                                 **kwargs: Any) -> Any:
+        ours = our_schedule(parallelism.pipeline_parallel_schedule)
+        if ours is None or parallelism.pipeline_parallel_degree <= 1:
+            return original(parallelism=parallelism, local_batch_size=local_batch_size, stages=stages,
+                            loss_fn=loss_fn, **kwargs)
+        return build_schedule(ours, parallelism, local_batch_size, stages, _scalar_loss(loss_fn))
+
+    return _build_pipeline_schedule
 
 
 def make_dual_pipe_v_flag(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
@@ -140,13 +175,16 @@ def patch_dual_pipe_v_flag(module: Any) -> None:
 
 def install() -> None:
     """Replace the four names in torchtitan's pipeline module and the DualPipeV flag (idempotent)."""
-    from torchtitan.distributed import dual_pipe_v, pipeline_parallel as pp_mod
+    from torchtitan.distributed import pipeline_parallel as pp_mod
 
-    patch_dual_pipe_v_flag(dual_pipe_v)
+    if not GEN.registry:
+        from torchtitan.distributed import dual_pipe_v
+
+        patch_dual_pipe_v_flag(dual_pipe_v)
     if getattr(pp_mod, "_titan_dualpipe_installed", False):
         return
+    build = make_build_schedule_030 if GEN.registry else make_build_schedule
     pp_mod.get_schedule_class = make_get_schedule_class(pp_mod.get_schedule_class)
-    pp_mod.generate_llm_fqn_per_model_part = make_generate_fqns(pp_mod.generate_llm_fqn_per_model_part)
-    pp_mod.pipeline_module_split = make_module_split(pp_mod.pipeline_module_split)
-    pp_mod.build_pipeline_schedule = make_build_schedule(pp_mod.build_pipeline_schedule)
+    for name, make in ((GEN.fqn_fn, make_generate_fqns), (GEN.split_fn, make_module_split), (GEN.build_fn, build)):
+        setattr(pp_mod, name, make(getattr(pp_mod, name)))
     pp_mod._titan_dualpipe_installed = True

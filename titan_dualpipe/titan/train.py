@@ -1,20 +1,25 @@
 """Worker entry point: torchtitan's trainer with titan_dualpipe loaded.
 
-    torchrun --nproc-per-node 2 -m titan_dualpipe.titan.train --job.config_file CONFIG.toml
+    torchrun --nproc-per-node 2 -m titan_dualpipe.titan.train --job.config_file CONFIG.toml    # 0.2.2
+    torchrun --nproc-per-node 2 -m titan_dualpipe.titan.train --module M --config NAME         # 0.3.0
 
-Same as ``-m torchtitan.train`` except that the extension is imported even when the TOML
-does not name it in ``[experimental] custom_import`` (which stays free for the user's own).
+Same as ``-m torchtitan.train`` except that the extension is imported first: on 0.2.2 even
+when the TOML does not name it in ``[experimental] custom_import`` (which stays free for the
+user's own), on 0.3.0 whichever ``--module`` holds the config.
 """
 
 from __future__ import annotations
 
 
 def main() -> None:
-    from torchtitan.train import Trainer, main as titan_main
+    import torchtitan.train as titan_train
 
-    import titan_dualpipe.titan  # noqa: F401 - registers the schedules, CPU mode, dataset
+    from titan_dualpipe.titan import GEN  # registers the schedules, CPU mode, dataset
 
-    titan_main(Trainer)
+    if GEN.registry:
+        titan_train.main()
+    else:
+        titan_train.main(titan_train.Trainer)
 
 
 if __name__ == "__main__":

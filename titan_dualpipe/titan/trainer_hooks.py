@@ -1,12 +1,13 @@
 """Hooks on torchtitan's trainer and metrics for our schedules.
 
 - ``Trainer.init_distributed``: before it creates the process group, resolve shipped-asset
-  paths, check the config (:mod:`.config_check`), record the plan and, for our schedules,
-  make torchtitan's expert-parallel exchanges hand-over points of overlapped pairs
-  (:mod:`.expert_overlap`). ``custom_import`` runs
-  inside ``Trainer.__init__`` just before ``self.init_distributed()``, so replacing the class
-  attribute still catches this very trainer. With ``python -m torchtitan.train`` the class
-  lives in ``__main__``; both that and ``torchtitan.train.Trainer`` are hooked.
+  paths, check the config (:mod:`.config_check`), record the plan and the overlap switch and,
+  for our schedules, make torchtitan's expert-parallel exchanges hand-over points of
+  overlapped pairs (:mod:`.expert_overlap`). Both ways torchtitan loads us (0.2.2's
+  ``custom_import``, 0.3.0's import of a ``config_registry`` that imports ours) run before the
+  trainer is constructed, so replacing the class attribute catches this very trainer. On
+  0.2.2 with ``python -m torchtitan.train`` the class also lives in ``__main__``; both are
+  hooked.
 - Loss: both our schedules have the losses on pipeline rank 0 (DualPipeV's last stage
   ``2pp-1`` lives there; DualPipe computes them on ranks 0 and ``pp-1``), while torchtitan
   assumes the last PP rank for every schedule but "ZBVZeroBubble" and logs ``loss: -1``
@@ -14,41 +15,42 @@
   ``pp_schedule.eval()``, which ours support). ``MetricsProcessor.log`` and ``log_validation``
   take the loss from pipeline rank 0 on every rank, so every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
   ``ensure_pp_loss_visible`` warning about LOG_RANK is moot.
-- ``get_train_spec``: loading a spec imports the model's ``parallelize`` module, whose bound
-  ``get_dual_pipe_v_flag`` is then patched (:func:`.pipeline.patch_dual_pipe_v_flag`). Under
-  DualPipe the spec's optimizer builder also registers the MoE twin expert-count sum
-  (:mod:`.moe_twins`).
+- MoE under DualPipe: the optimizer builder also registers the twin expert-count sum
+  (:mod:`.moe_twins`): 0.2.2 through ``get_train_spec`` (whose ``parallelize`` module's bound
+  ``get_dual_pipe_v_flag`` is patched there too, :func:`.pipeline.patch_dual_pipe_v_flag`),
+  0.3.0 through the config's model spec.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import sys
 from typing import Any, Callable
 
 from . import data, expert_overlap
 from .config_check import check_job_config, our_schedule
-from .moe_twins import with_twin_expert_counts
+from .generation import GEN
+from .moe_twins import with_twin_expert_counts, with_twin_expert_counts_030
 from .pipeline import ACTIVE, patch_dual_pipe_v_flag
 
 LOSS_RANK = 0  # pipeline rank holding a last stage for both schedules; global rank 0 too
 
 
-def _n_layers(job_config: Any) -> int | None:
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    args = get_train_spec(job_config.model.name).model_args.get(job_config.model.flavor)
-    return getattr(args, "n_layers", None)
-
-
 def prepare(job_config: Any) -> None:
     """Resolve asset paths, check the config, record the plan (raises ValueError on every rank)."""
     data.resolve_asset_paths(job_config)
-    n_layers = _n_layers(job_config) if our_schedule(job_config.parallelism.pipeline_parallel_schedule) else None
+    n_layers = GEN.n_layers(job_config) if our_schedule(job_config.parallelism.pipeline_parallel_schedule) else None
     ACTIVE.plan = check_job_config(job_config, n_layers)
-    if ACTIVE.plan is not None:
-        expert_overlap.install()
+    ACTIVE.overlap = GEN.overlap(job_config)
+    if ACTIVE.plan is None:
+        return
+    expert_overlap.install()
+    spec = getattr(job_config, "model_spec", None)  # 0.3.0
+    if ACTIVE.plan.schedule == "DualPipe" and spec is not None and spec.post_optimizer_build_fn is not None:
+        post_build = with_twin_expert_counts_030(spec.post_optimizer_build_fn)
+        job_config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_build)
 
 
 def _hook_init_distributed(cls: type) -> None:
@@ -58,7 +60,7 @@ def _hook_init_distributed(cls: type) -> None:
 
     @functools.wraps(original)
     def init_distributed(self: Any) -> Any:
-        prepare(self.job_config)
+        prepare(getattr(self, "job_config", None) or self.config)  # 0.2.2 / 0.3.0
         return original(self)
 
     init_distributed._titan_dualpipe = True  # type: ignore[attr-defined]
@@ -66,25 +68,23 @@ def _hook_init_distributed(cls: type) -> None:
 
 
 def _trainer_modules() -> list[Any]:
-    """Loaded modules that hold torchtitan's ``Trainer``: the package module and ``__main__``."""
+    """Loaded modules that define torchtitan's ``Trainer`` (0.2.2: also ``__main__``)."""
     main = sys.modules.get("__main__")
-    is_train_main = getattr(getattr(main, "__spec__", None), "name", None) == "torchtitan.train"
-    return [m for m in (sys.modules.get("torchtitan.train"), main if is_train_main else None) if m is not None]
+    is_train_main = not GEN.registry and getattr(getattr(main, "__spec__", None), "name", None) == "torchtitan.train"
+    return [m for m in (sys.modules.get(GEN.trainer_module), main if is_train_main else None) if m is not None]
 
 
-def _make_metrics_rank(original: Callable[[Any, Any], int]) -> Callable[[Any, Any], int]:
-    def _get_metrics_rank(parallel_dims: Any, job_config: Any) -> int:
-        if parallel_dims.pp_enabled and our_schedule(job_config.parallelism.pipeline_parallel_schedule):
-            return LOSS_RANK
-        return original(parallel_dims, job_config)
+def _make_metrics_rank(original: Callable[..., int]) -> Callable[..., int]:
+    def _get_metrics_rank(*args: Any, **kwargs: Any) -> int:
+        return LOSS_RANK if ACTIVE.plan is not None else original(*args, **kwargs)
 
     return _get_metrics_rank
 
 
 def _make_loss_visible(original: Callable[..., None]) -> Callable[..., None]:
-    def ensure_pp_loss_visible(parallel_dims: Any, job_config: Any, color: Any) -> None:
-        if not our_schedule(job_config.parallelism.pipeline_parallel_schedule):
-            original(parallel_dims, job_config, color)  # ours: every rank logs the loss
+    def ensure_pp_loss_visible(*args: Any, **kwargs: Any) -> None:
+        if ACTIVE.plan is None:
+            original(*args, **kwargs)  # ours: every rank logs the loss
 
     return ensure_pp_loss_visible
 
@@ -92,9 +92,8 @@ def _make_loss_visible(original: Callable[..., None]) -> Callable[..., None]:
 def _make_metrics_log(original: Callable[..., None]) -> Callable[..., None]:
     def log(self: Any, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
-        dims = self.parallel_dims
-        if dims.pp_enabled and our_schedule(self.job_config.parallelism.pipeline_parallel_schedule):
-            global_avg_loss, global_max_loss = _losses_from_loss_rank(dims, global_avg_loss, global_max_loss)
+        if ACTIVE.plan is not None:
+            global_avg_loss, global_max_loss = _losses_from_loss_rank(self.parallel_dims, global_avg_loss, global_max_loss)
         original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
     return log
@@ -102,9 +101,8 @@ def _make_metrics_log(original: Callable[..., None]) -> Callable[..., None]:
 
 def _make_metrics_log_validation(original: Callable[..., None]) -> Callable[..., None]:
     def log_validation(self: Any, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
-        dims = self.parallel_dims
-        if dims.pp_enabled and our_schedule(self.job_config.parallelism.pipeline_parallel_schedule):
-            loss, _ = _losses_from_loss_rank(dims, loss, loss)
+        if ACTIVE.plan is not None:
+            loss, _ = _losses_from_loss_rank(self.parallel_dims, loss, loss)
         original(self, loss, step, extra_metrics)
 
     return log_validation
@@ -127,7 +125,7 @@ def _losses_from_loss_rank(parallel_dims: Any, avg: float, peak: float) -> tuple
 
 
 def _make_get_train_spec(original: Callable[[str], Any]) -> Callable[[str], Any]:
-    """The model's DualPipeV flag patched; DualPipe: the optimizer builder keeps MoE twins' counts equal."""
+    """0.2.2: the model's DualPipeV flag patched; DualPipe: the optimizer builder keeps MoE twins' counts equal."""
 
     def get_train_spec(name: str) -> Any:
         spec = original(name)
@@ -140,21 +138,31 @@ def _make_get_train_spec(original: Callable[[str], Any]) -> Callable[[str], Any]
     return get_train_spec
 
 
-def install() -> None:
+def _install_metrics() -> Callable[..., None]:
+    """Patch the metrics module; returns torchtitan's own ``ensure_pp_loss_visible``."""
     from torchtitan.components import metrics
-    from torchtitan.protocols import train_spec
 
-    if getattr(metrics, "_titan_dualpipe_installed", False):
-        return
     original_visible = metrics.ensure_pp_loss_visible
+    if getattr(metrics, "_titan_dualpipe_installed", False):
+        return original_visible
     metrics._get_metrics_rank = _make_metrics_rank(metrics._get_metrics_rank)
     metrics.ensure_pp_loss_visible = _make_loss_visible(original_visible)
     metrics.MetricsProcessor.log = _make_metrics_log(metrics.MetricsProcessor.log)
     metrics.MetricsProcessor.log_validation = _make_metrics_log_validation(metrics.MetricsProcessor.log_validation)
     metrics._titan_dualpipe_installed = True
-    train_spec.get_train_spec = _make_get_train_spec(train_spec.get_train_spec)
+    if not GEN.registry:
+        from torchtitan.protocols import train_spec
+
+        train_spec.get_train_spec = _make_get_train_spec(train_spec.get_train_spec)
+    return original_visible
+
+
+def install() -> None:
+    from torchtitan.components import metrics
+
+    original_visible = _install_metrics()
     if not _trainer_modules():
-        import torchtitan.train  # noqa: F401 - imported here only when nothing loaded it yet
+        importlib.import_module(GEN.trainer_module)  # imported here only when nothing loaded it yet
     for module in _trainer_modules():
         _hook_init_distributed(module.Trainer)
         if getattr(module, "ensure_pp_loss_visible", None) is original_visible:

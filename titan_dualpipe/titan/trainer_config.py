@@ -1,0 +1,52 @@
+"""torchtitan 0.3.0: a trainer config with our ``dualpipe`` section (the overlap switch).
+
+torchtitan 0.3.0 has no config key for our schedules' ``overlap`` (0.2.2 reused its
+``pipeline_parallel_expert_parallel_overlap``), and its configs are dataclasses whose fields
+are the command line. :class:`DualPipeTrainer` is torchtitan's ``Trainer`` unchanged; its
+``Config`` adds one section, so ``--dualpipe.no-overlap`` runs overlapped pairs one after the
+other. A plain ``Trainer.Config`` works with our schedules too, with overlap on.
+
+In a ``config_registry``::
+
+    from titan_dualpipe.titan.trainer_config import with_dualpipe   # the package registers the schedules
+
+    def my_llama3_dualpipev():
+        config = with_dualpipe(llama3_8b())
+        config.parallelism.pipeline_parallel_schedule = "DualPipeV"
+        ...
+        return config
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from torchtitan.trainer import Trainer
+
+
+@dataclass(kw_only=True, slots=True)
+class DualPipeOptions:
+    overlap: bool = True
+    """Overlap the forward and backward halves of DualPipe / DualPipeV's overlapped pairs
+    (relay or module protocol); false runs them one after the other. Same results either way."""
+
+
+class DualPipeTrainer(Trainer):
+    """torchtitan's ``Trainer``; its ``Config`` carries :class:`DualPipeOptions`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        dualpipe: DualPipeOptions = field(default_factory=DualPipeOptions)
+
+
+def with_dualpipe(config: Trainer.Config, overlap: bool = True) -> DualPipeTrainer.Config:
+    """``config`` (a ``Trainer.Config``) with the ``dualpipe`` section added, every other field kept."""
+    if type(config) is not Trainer.Config and not isinstance(config, DualPipeTrainer.Config):
+        raise ValueError(
+            f"with_dualpipe takes torchtitan's Trainer.Config, got {type(config).__qualname__}: "
+            "add a `dualpipe: DualPipeOptions` field to that config class instead."
+        )
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values["dualpipe"] = DualPipeOptions(overlap=overlap)
+    return DualPipeTrainer.Config(**values)
