@@ -1,21 +1,21 @@
-"""torchtitan integration: end-to-end CPU runs (2 processes, gloo) and config checks.
+"""torchtitan integration: end-to-end CPU runs (2 processes, gloo) and config checks, against the
+installed torchtitan: 0.2.2 (TOMLs, in ``.venv``) or 0.3.0 (config names, in the venv that
+``bootstrap.py --torchtitan 0.3.0`` makes). The module-level table below says how each release
+spells what the tests ask for; every assertion is the same for both.
 
 The end-to-end runs are module fixtures shared by several tests, so each configuration is
 trained once: DualPipe (with checkpoints, the twin probe), its 1F1B twin config, DualPipeV
 (overlapped pairs run sequentially), DualPipeV from a CSV (launched from another directory), a
-resume, one bad config, and the MoE debug model with expert parallelism (4 processes): DualPipe
-with overlapped and with sequential pairs, and DualPipeV.
-
-This file is also imported inside the trainer processes (``--experimental.custom_import
-test_titan``) when ``PROBE_ENV`` is set: it then records, at ``Trainer.close``, each rank's
-schedule class, its ``overlap`` setting, how many pairs ran as a relay and how often their
-halves switched, and a hash of every parameter (and MoE expert bias) of every stage.
+resume, one bad config, one unparsable override, and the MoE debug model with expert
+parallelism (4 processes): DualPipe with overlapped and with sequential pairs, and DualPipeV.
+Runs with ``probe=True`` load ``tests/titan_probe.py`` into the trainer processes (on 0.3.0 as
+the ``--module``: a config registry of one's own that imports ours).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import ast
 import json
 import math
 import os
@@ -29,68 +29,46 @@ from pathlib import Path
 
 import pytest
 
+from titan_dualpipe.torchtitan_version import installed, uses_config_registry
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "train_configs"
+REGISTRY_FILE = ROOT / "titan_dualpipe" / "titan" / "config_registry.py"
 STEPS = 6
 CHECKPOINT_STEP = 3
 PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
 LOG_LINE = re.compile(r"\[rank(\d+)\]:.*step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*([\d.]+)")
 VALIDATION_LINE = re.compile(r"\[rank(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*(-?[\d.]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-VALIDATION = ("--validation.enable", "--validation.freq", "3")  # at steps 1, 3 and 6
+
+# How the installed torchtitan spells what these tests ask for.
+TORCHTITAN = installed("torchtitan") or "0.2.2"
+REGISTRY = uses_config_registry(TORCHTITAN)
+if REGISTRY:  # 0.3.0: config functions, tyro flags in their CLI spelling, our dualpipe section
+    DUMP_FOLDER = "--dump_folder"
+    VALIDATION = ("--validator.enable", "--validator.freq", "3")  # at steps 1, 3 and 6
+    NO_OVERLAP = ("--dualpipe.no-overlap",)
+    FULL_AC = ("activation-checkpoint:full",)  # a tyro subcommand: last on the command line
+    FULL_AC_LOG = "Applied FullAC activation checkpointing"
+    AFTER_PROCESS_GROUP_LOG = "Building llama3 debugmodel"
+else:  # 0.2.2: TOMLs
+    DUMP_FOLDER = "--job.dump_folder"
+    VALIDATION = ("--validation.enable", "--validation.freq", "3")
+    NO_OVERLAP = ("--parallelism.no-pipeline-parallel-expert-parallel-overlap",)
+    FULL_AC = ("--activation_checkpoint.mode", "full")
+    FULL_AC_LOG = "Applied full activation checkpointing"
+    AFTER_PROCESS_GROUP_LOG = "Successfully created meshes"
 
 
-# ---------------------------------------------------------------------------------------------
-# Probe (runs inside the trainer processes)
+def config(name: str) -> str:
+    """A shipped config as the installed torchtitan takes it: its name (0.3.0) or its TOML (0.2.2)."""
+    return name if REGISTRY else str(CONFIGS / f"{name}.toml")
 
 
-def _param_hashes(module) -> dict[str, str]:
-    """Parameters and MoE expert biases (routing state), this rank's shard of each."""
-    tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n.endswith("expert_bias"))]
-    return {
-        name: hashlib.sha1(getattr(t, "to_local", t.detach)().detach().contiguous().cpu().numpy().tobytes()).hexdigest()
-        for name, t in tensors
-    }
-
-
-def _install_probe(out_dir: str) -> None:
-    import torch.distributed as dist
-    import torchtitan.train as titan_train
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B
-
-    from titan_dualpipe.overlap import pair
-
-    original_close = titan_train.Trainer.close
-    relayed = {"pairs": 0, "hand_overs": 0}
-    run_relayed = pair.run_relayed
-
-    def counted_run_relayed(forward_half, backward_half):
-        done = run_relayed(forward_half, backward_half)
-        relayed["pairs"] += 1
-        relayed["hand_overs"] += done.hand_overs
-        return done
-
-    pair.run_relayed = counted_run_relayed
-
-    def close(self) -> None:
-        schedule = getattr(self, "pp_schedule", None)
-        if schedule is not None:
-            record = {
-                "schedule_mro": [c.__module__ + "." + c.__name__ for c in type(schedule).__mro__],
-                "overlap_callback": OVERLAP_F_B in schedule._comp_type_to_function_map,
-                "overlap": getattr(schedule, "overlap", None),
-                "relayed": relayed,
-                "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
-            }
-            path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
-            path.write_text(json.dumps(record))
-        original_close(self)
-
-    titan_train.Trainer.close = close
-
-
-if os.environ.get(PROBE_ENV) and "torchtitan.train" in sys.modules:
-    _install_probe(os.environ[PROBE_ENV])
+def key(dotted: str) -> str:
+    """Config field ``section.field`` as errors name it: CLI form (0.3.0), TOML form (0.2.2)."""
+    section, name = dotted.split(".")
+    return dotted if REGISTRY else f"[{section}] {name}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,25 +106,29 @@ class Run:
         return json.loads((self.out_dir / f"probe_rank{rank}.json").read_text())
 
 
-def train(config: Path, out_dir: Path, *overrides: str, cwd: Path = ROOT, probe: bool = False,
+def train(name: str, out_dir: Path, *overrides: str, cwd: Path = ROOT, probe: bool = False,
           torchrun: bool = False, env: dict[str, str] | None = None, nproc: int = 2, steps: int = STEPS) -> Run:
-    """``nproc`` processes, every rank's output shown with its "[rankN]:" prefix.
+    """Shipped config ``name`` on ``nproc`` processes, every rank's output shown with its "[rankN]:" prefix.
 
     ``python -m titan_dualpipe train`` by default; ``torchrun=True`` runs the plain cluster
-    command (``torchrun ... -m torchtitan.train``), which loads us through ``custom_import``.
+    command (``torchrun ... -m torchtitan.train``), which loads us through ``custom_import``
+    (0.2.2) or ``--module titan_dualpipe.titan`` (0.3.0).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
     env.pop(PROBE_ENV, None)
+    module = "titan_probe" if probe else "titan_dualpipe.titan"
     if probe:
         env[PROBE_ENV] = str(out_dir)
-        overrides = (*overrides, "--experimental.custom_import", "test_titan")
+    probe_args = ["--experimental.custom_import", module] if probe and not REGISTRY else []
+    titan_args = ["--module", module, "--config", name] if REGISTRY else ["--job.config_file", config(name)]
     if torchrun:
         launcher = ["torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0,1",
-                    "--role", "rank", "--tee", "3", "-m", "torchtitan.train", "--job.config_file", str(config)]
+                    "--role", "rank", "--tee", "3", "-m", "torchtitan.train", *titan_args]
     else:
-        launcher = ["titan_dualpipe", "train", str(config), "--nproc", str(nproc), "--log-ranks", "all"]
-    cmd = [sys.executable, "-m", *launcher, "--job.dump_folder", str(out_dir), "--training.steps", str(steps),
+        launcher = ["titan_dualpipe", "train", config(name), "--nproc", str(nproc), "--log-ranks", "all"]
+        launcher += ["--module", module] if REGISTRY else []
+    cmd = [sys.executable, "-m", *launcher, DUMP_FOLDER, str(out_dir), "--training.steps", str(steps), *probe_args,
            *overrides]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -167,20 +149,19 @@ def runs_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def dualpipe_run(runs_dir: Path) -> Run:
-    return _ok(train(CONFIGS / "debug_dualpipe.toml", runs_dir / "dualpipe", "--checkpoint.enable",
+    return _ok(train("debug_dualpipe", runs_dir / "dualpipe", "--checkpoint.enable",
                      "--checkpoint.interval", str(CHECKPOINT_STEP), *VALIDATION, probe=True))
 
 
 @pytest.fixture(scope="module")
 def one_f_one_b_run(runs_dir: Path) -> Run:
-    return _ok(train(CONFIGS / "debug_dualpipe.toml", runs_dir / "1f1b",
+    return _ok(train("debug_dualpipe", runs_dir / "1f1b",
                      "--parallelism.pipeline_parallel_schedule", "1F1B", *VALIDATION))
 
 
 @pytest.fixture(scope="module")
 def dualpipev_run(runs_dir: Path) -> Run:
-    return _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "dualpipev",
-                     "--parallelism.no-pipeline-parallel-expert-parallel-overlap", *VALIDATION, probe=True))
+    return _ok(train("debug_dualpipev", runs_dir / "dualpipev", *NO_OVERLAP, *VALIDATION, probe=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +213,7 @@ def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run,
             assert record["schedule_mro"][0] == f"titan_dualpipe.runtime.schedules.{name}"
             assert "torch.distributed.pipelining.schedules.ScheduleDualPipeV" not in record["schedule_mro"]
             assert not record["overlap_callback"]
-            # [parallelism] pipeline_parallel_expert_parallel_overlap: default true, off for the DualPipeV run
+            # the overlap switch: default true, off for the DualPipeV run
             assert record["overlap"] is (run is dualpipe_run)
             # dense model: pairs run as a relay (pipeline send overlap), no exchange hands over
             pairs = record["relayed"]["pairs"]
@@ -283,7 +264,7 @@ def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipe
     assert cli_main(["csv", "--schedule", "DualPipeV", "--pp", "2", "--microbatches", "8", "-o", str(csv)]) == 0
     elsewhere = runs_dir / "elsewhere"
     elsewhere.mkdir()
-    run = _ok(train(CONFIGS / "debug_dualpipev.toml", runs_dir / "csv",
+    run = _ok(train("debug_dualpipev", runs_dir / "csv",
                     "--parallelism.pipeline_parallel_schedule_csv", str(csv), cwd=elsewhere))
     assert "from " + str(csv) in run.output
     assert "pairs run sequentially" in dualpipev_run.output and "pairs run sequentially" not in run.output
@@ -292,11 +273,11 @@ def test_csv_from_our_cli_trains_from_another_directory(runs_dir: Path, dualpipe
 
 @pytest.mark.titan_e2e
 def test_dualpipe_resume_continues_with_same_losses(runs_dir: Path, dualpipe_run: Run) -> None:
-    """Resumed with the plain torchrun command line (our module loaded by custom_import)."""
+    """Resumed with the plain torchrun command line (our module loaded by custom_import or --module)."""
     resumed_dir = runs_dir / "resumed"
     step_dir = f"step-{CHECKPOINT_STEP}"
     shutil.copytree(dualpipe_run.out_dir / "checkpoint" / step_dir, resumed_dir / "checkpoint" / step_dir)
-    run = _ok(train(CONFIGS / "debug_dualpipe.toml", resumed_dir, "--checkpoint.enable",
+    run = _ok(train("debug_dualpipe", resumed_dir, "--checkpoint.enable",
                     "--checkpoint.interval", str(CHECKPOINT_STEP), torchrun=True))
     assert f"Training starts at step {CHECKPOINT_STEP + 1}" in run.output
     expected = {s: v for s, v in dualpipe_run.losses().items() if s > CHECKPOINT_STEP}
@@ -309,15 +290,15 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
     """Each rank checks the config itself before init_process_group. torchrun stops the other
     ranks once one has failed; a 3 s monitor interval lets a late-starting rank reach its own
     check first, so the test sees every rank's error."""
-    run = train(CONFIGS / "debug_dualpipe.toml", runs_dir / "bad", "--training.local_batch_size", "2",
+    run = train("debug_dualpipe", runs_dir / "bad", "--training.local_batch_size", "2",
                 env={"PET_MONITOR_INTERVAL": "3"})
     assert run.returncode != 0
     text = ANSI.sub("", run.output)
-    message = "DualPipe needs at least 2 * [parallelism] pipeline_parallel_degree = 4 microbatches, got 2"
-    assert message in text and "[training] local_batch_size" in text
+    message = f"DualPipe needs at least 2 * {key('parallelism.pipeline_parallel_degree')} = 4 microbatches, got 2"
+    assert message in text and key("training.local_batch_size") in text
     for rank in (0, 1):
         assert re.search(rf"\[rank{rank}\]:ValueError: {re.escape(message)}", text), text[-4000:]
-    assert "Successfully created meshes" not in text  # stopped before the process group was used
+    assert AFTER_PROCESS_GROUP_LOG not in text  # stopped before the process group was used
     assert run.seconds < 120
 
 
@@ -333,18 +314,16 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     CPU even between two identical sequential runs.)"""
     steps = 5
     deterministic = "--debug.deterministic"
-    run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe", deterministic, probe=True, nproc=4,
-                    steps=steps))
+    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe", deterministic, probe=True, nproc=4, steps=steps))
     _assert_trains(run.losses(), steps)
     logged = run.logged()
     assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
-    assert any(name.endswith("moe.expert_bias") for name in run.probe(0)["stages"]["0"])
+    assert any("moe.expert_bias" in name for name in run.probe(0)["stages"]["0"])
     _assert_twins_identical(run, 0, 2)
     _assert_twins_identical(run, 1, 3)
 
-    sequential = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe_sequential", deterministic,
-                           "--parallelism.no-pipeline-parallel-expert-parallel-overlap", probe=True, nproc=4,
-                           steps=steps))
+    sequential = _ok(train("debug_moe_dualpipe", runs_dir / "moe_sequential", deterministic, *NO_OVERLAP, probe=True,
+                           nproc=4, steps=steps))
     assert sequential.logged() == logged
     for rank in range(4):
         relayed, plain = run.probe(rank), sequential.probe(rank)
@@ -358,9 +337,9 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     recomputes each block's exchanges): it trains and every rank's pairs switch halves at
     torchtitan's expert-parallel all-to-all."""
     steps = 4
-    run = _ok(train(CONFIGS / "debug_moe_dualpipe.toml", runs_dir / "moe_v", "--parallelism.pipeline_parallel_schedule",
-                    "DualPipeV", "--activation_checkpoint.mode", "full", probe=True, nproc=4, steps=steps))
-    assert "Applied full activation checkpointing" in run.output
+    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v", "--parallelism.pipeline_parallel_schedule",
+                    "DualPipeV", *FULL_AC, probe=True, nproc=4, steps=steps))
+    assert FULL_AC_LOG in run.output
     _assert_trains(run.losses(), steps)
     assert sorted(run.logged()) == [0, 1, 2, 3]
     for rank in range(4):
@@ -368,42 +347,78 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
         assert run.probe(rank)["relayed"]["hand_overs"] > 0, run.probe(rank)["relayed"]
 
 
+@pytest.mark.titan_e2e
+def test_launcher_reports_a_parse_error_not_the_stop_signal(runs_dir: Path) -> None:
+    """A value torchtitan's parser rejects stops that rank with exit code 2 and no traceback file;
+    torchrun then stops the others with SIGTERM. The launcher names the parser's message."""
+    run = train("debug_dualpipe", runs_dir / "unparsable", "--checkpoint.last_save_model_only", "false")
+    assert run.returncode == 1
+    report = ANSI.sub("", run.output).split("first error:", 1)[1]
+    assert "exit code 2" in report and "Unrecognized options" in report and "false" in report, report
+    assert "SIGTERM" not in report and "To enable traceback" not in report
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process checks (no trainer processes)
 
+SHIPPED = ("debug_dualpipe", "debug_dualpipev", "debug_moe_dualpipe", "deepseek_v3_16b_dualpipe", "llama3_8b_dualpipev")
 
-def _job_config(config: Path, *overrides: str):
+
+def _job_config(name: str, *overrides: str):
     from torchtitan.config import ConfigManager
 
-    return ConfigManager().parse_args(["--job.config_file", str(config), *overrides])
+    titan_args = ["--module", "titan_dualpipe.titan", "--config", name] if REGISTRY else ["--job.config_file", config(name)]
+    return ConfigManager().parse_args([*titan_args, *overrides])
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
-def test_train_configs_load_and_validate(config: Path) -> None:
+def test_both_torchtitan_generations_ship_the_same_configs() -> None:
+    """0.2.2 TOMLs and 0.3.0 config functions, one of each per name (read without importing either)."""
+    tree = ast.parse(REGISTRY_FILE.read_text())
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
+    assert {p.stem for p in CONFIGS.glob("*.toml")} == functions == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_train_configs_load_and_validate(name: str) -> None:
     import titan_dualpipe.titan as adapter
-    from titan_dualpipe.titan.trainer_hooks import _n_layers
+    from titan_dualpipe.titan.data import DATASET_NAME, TOKENIZER_DIR, resolve_asset_path
 
-    job = _job_config(config)
-    assert job.experimental.custom_import == "titan_dualpipe.titan"
-    plan = adapter.check_job_config(job, _n_layers(job))
+    job = _job_config(name)
+    plan = adapter.check_job_config(job, adapter.GEN.n_layers(job))
     assert plan is not None and plan.schedule == adapter.our_schedule(job.parallelism.pipeline_parallel_schedule)
+    assert job.checkpoint.last_save_model_only is False  # the last checkpoint can be resumed from
+    if REGISTRY:
+        assert job.dualpipe.overlap is True and job.training.disable_cuda_graphs
+        dataset, tokenizer = job.dataloader.dataset, job.hf_assets_path
+    else:
+        assert job.experimental.custom_import == "titan_dualpipe.titan"
+        dataset, tokenizer = job.training.dataset, resolve_asset_path(job.model.hf_assets_path)
+    if name.startswith("debug_"):  # shipped data only
+        assert dataset == DATASET_NAME and Path(tokenizer).resolve() == TOKENIZER_DIR
 
 
 @pytest.mark.parametrize(
     "overrides, keys",
     [
-        (["--parallelism.pipeline_parallel_degree", "3"], ["[parallelism] pipeline_parallel_degree", "got 3", "2 or 4"]),
+        (["--parallelism.pipeline_parallel_degree", "3"], [key("parallelism.pipeline_parallel_degree"), "got 3", "2 or 4"]),
         (["--training.local_batch_size", "6", "--parallelism.pipeline_parallel_microbatch_size", "2"],
-         ["microbatches", "[training] local_batch_size", "pipeline_parallel_microbatch_size"]),
-        (["--training.local_batch_size", "7", "--parallelism.pipeline_parallel_microbatch_size", "2"],
-         ["[training] local_batch_size = 7", "[parallelism] pipeline_parallel_microbatch_size = 2"]),
+         ["microbatches", key("training.local_batch_size"), "pipeline_parallel_microbatch_size"]),
+        pytest.param(
+            ["--training.local_batch_size", "7", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+            [key("training.local_batch_size") + " = 7", key("parallelism.pipeline_parallel_microbatch_size") + " = 2"],
+            marks=pytest.mark.skipif(REGISTRY, reason="0.3.0's own config check refuses it first, naming both"),
+        ),
         (["--parallelism.pipeline_parallel_layers_per_stage", "2"],
-         ["[parallelism] pipeline_parallel_layers_per_stage = 2", "remove it"]),
+         [key("parallelism.pipeline_parallel_layers_per_stage") + " = 2", "remove it"]),
         (["--parallelism.pipeline_parallel_degree", "10", "--training.local_batch_size", "20"],
-         ["[parallelism] pipeline_parallel_degree = 10", "pipeline_parallel_first_stage_less_layers"]),
-        (["--validation.enable", "--validation.local_batch_size", "12"],
-         ["[validation] local_batch_size = 12", "8 microbatches", "Set it to 8"]),
-        (["--compile.enable"], ["[compile] enable = true", "pytorch#161904", 'components = ["loss"]']),
+         [key("parallelism.pipeline_parallel_degree") + " = 10", "pipeline_parallel_first_stage_less_layers"]),
+        pytest.param(
+            ["--validation.enable", "--validation.local_batch_size", "12"],
+            [key("validation.local_batch_size") + " = 12", "8 microbatches", "Set it to 8"],
+            marks=pytest.mark.skipif(REGISTRY, reason="0.3.0 validates with the training batch"),
+        ),
+        (["--compile.enable", "--compile.components", "model,loss"],
+         [key("compile.enable") + " = true", "pytorch#161904", key("compile.components") + ' = ["loss"]']),
     ],
     ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch",
          "compiled-model"],
@@ -412,18 +427,28 @@ def test_bad_dualpipe_configs_name_the_keys(overrides: list[str], keys: list[str
     from titan_dualpipe.titan import check_job_config
 
     with pytest.raises(ValueError) as err:
-        check_job_config(_job_config(CONFIGS / "debug_dualpipe.toml", *overrides), n_layers=6)
-    for key in keys:
-        assert key in str(err.value)
+        check_job_config(_job_config("debug_dualpipe", *overrides), n_layers=6)
+    for expected in keys:
+        assert expected in str(err.value)
+
+
+def test_0_3_0_refuses_a_batch_that_is_no_multiple_of_the_microbatch(capfd: pytest.CaptureFixture) -> None:
+    """0.3.0's own config check names both fields; its parser then exits like any parse error."""
+    if not REGISTRY:
+        pytest.skip("0.2.2: our check names it (test_bad_dualpipe_configs_name_the_keys)")
+    with pytest.raises(SystemExit):
+        _job_config("debug_dualpipe", "--training.local_batch_size", "7", "--parallelism.pipeline_parallel_microbatch_size", "2")
+    printed = " ".join(capfd.readouterr().err.split())
+    assert "training.local_batch_size (7)" in printed and "microbatch_size (2)" in printed, printed
 
 
 def test_bad_dualpipev_stage_counts_name_the_keys(tmp_path: Path) -> None:
     from titan_dualpipe.titan import check_job_config
 
-    job = _job_config(CONFIGS / "debug_dualpipev.toml", "--parallelism.pipeline_parallel_layers_per_stage", "4")
+    job = _job_config("debug_dualpipev", "--parallelism.pipeline_parallel_layers_per_stage", "4")
     with pytest.raises(ValueError, match=r"pipeline_parallel_layers_per_stage = 4 .* into 2: .*set it to 2"):
         check_job_config(job, n_layers=6)  # (6 layers + 2) / 4 = 2 stages; DualPipeV needs 4
-    job = _job_config(CONFIGS / "debug_dualpipev.toml")
+    job = _job_config("debug_dualpipev")
     job.parallelism.module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
     with pytest.raises(ValueError, match=r"needs 4 model parts .*module_fqns_per_model_part lists 2"):
         check_job_config(job, n_layers=6)
@@ -434,8 +459,7 @@ def test_bad_dualpipev_stage_counts_name_the_keys(tmp_path: Path) -> None:
     with csv.open("w", newline="") as f:
         write_csv(compute_order("DualPipeV", 4, 8), f)
     with pytest.raises(ValueError, match=r"4 rows .*pipeline_parallel_degree = 2.*titan-dualpipe csv"):
-        check_job_config(_job_config(CONFIGS / "debug_dualpipev.toml",
-                                     f"--parallelism.pipeline_parallel_schedule_csv={csv}"), n_layers=6)
+        check_job_config(_job_config("debug_dualpipev", f"--parallelism.pipeline_parallel_schedule_csv={csv}"), n_layers=6)
 
 
 def test_schedule_names_resolve_case_insensitively_and_others_unchanged() -> None:
@@ -457,6 +481,7 @@ def test_schedule_names_resolve_case_insensitively_and_others_unchanged() -> Non
         lookup("DualPipeX")
 
 
+@pytest.mark.skipif(REGISTRY, reason="torchtitan 0.3.0 has no DualPipeV expert-parallel hooks")
 def test_dual_pipe_v_flag_off_for_our_names_only() -> None:
     """torchtitan's EP SyncHooks / AC refusal keyed on "dualpipev": not for our schedules."""
     from types import SimpleNamespace
@@ -478,6 +503,56 @@ def test_dual_pipe_v_flag_off_for_our_names_only() -> None:
     flag = make_dual_pipe_v_flag(lambda job, dims: "torchtitan's answer")
     assert flag(job("dualpipev"), dims) is False and flag(job("DualPipe"), dims) is False
     assert flag(job("1F1B"), dims) == flag(job("ZBVZeroBubble"), dims) == "torchtitan's answer"
+
+
+def test_dualpipe_overlap_switch_and_with_dualpipe() -> None:
+    if not REGISTRY:
+        pytest.skip("0.2.2's switch is torchtitan's own [parallelism] pipeline_parallel_expert_parallel_overlap")
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from titan_dualpipe.titan import GEN
+    from titan_dualpipe.titan.trainer_config import DualPipeTrainer, with_dualpipe
+
+    assert GEN.overlap(_job_config("debug_dualpipev")) is True
+    assert GEN.overlap(_job_config("debug_dualpipev", "--dualpipe.no-overlap")) is False
+    plain = llama3_debugmodel()
+    assert GEN.overlap(plain) is True  # a plain Trainer.Config: overlap on
+    ours = with_dualpipe(plain, overlap=False)
+    assert isinstance(ours, DualPipeTrainer.Config) and GEN.overlap(ours) is False
+    assert ours.training == plain.training and ours.model_spec is plain.model_spec
+    with pytest.raises(ValueError, match="with_dualpipe takes torchtitan's Trainer.Config"):
+        with_dualpipe(plain.training)
+
+
+def test_cpu_attention_equals_flex_attention_and_has_a_backward() -> None:
+    """0.3.0's CPU mode attends with plain tensor ops: flex attention's outputs and log-sum-exp for
+    packed documents, causal, grouped-query heads; and a backward that flex attention lacks on CPU."""
+    if not REGISTRY:
+        pytest.skip("0.2.2's models attend with SDPA")
+    import torch
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    from titan_dualpipe.titan.cpu_attention import masked_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 64, 16, generator=gen) for h in (4, 2, 2))
+    starts = torch.zeros(2, 64, dtype=torch.long)
+    starts[0, 20:], starts[1, 50:] = 1, 1  # document ids: a boundary inside each sample
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (starts[b, q_idx] == starts[b, kv_idx])
+
+    mask = create_block_mask(document_causal, 2, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    want, aux = flex_attention(q, k, v, block_mask=mask, scale=0.3, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    got, lse = masked_attention(q, k, v, score_mod=None, block_mask=mask, scale=0.3, enable_gqa=True,
+                                return_aux=AuxRequest(lse=True), kernel_options={})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.lse, aux.lse, rtol=1e-5, atol=1e-5)
+    q.requires_grad_(True)
+    out, _ = masked_attention(q, k, v, score_mod=None, block_mask=mask, scale=0.3, enable_gqa=True,
+                              return_aux=AuxRequest(lse=False), kernel_options={})
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 
 
 def test_cpu_integer_histc_is_exact() -> None:
@@ -523,22 +598,99 @@ def test_shipped_assets_found_from_any_directory(tmp_path: Path, monkeypatch: py
 
 
 def test_launcher_options_may_follow_the_config() -> None:
-    from titan_dualpipe.titan import launch
+    from titan_dualpipe import launch
 
     parser = argparse.ArgumentParser()
     launch.add_parser(parser.add_subparsers())
     args = parser.parse_args(["train", "c.toml", "--training.steps", "3", "--nproc", "4", "--log-ranks", "1"])
     args, overrides = launch.split_arguments(args)
-    assert (args.nproc, args.log_ranks, overrides) == (4, "1", ["--training.steps", "3"])
-    argv = launch.torchrun_argv("c.toml", 4, "all", overrides, None)
+    assert (args.nproc, args.log_ranks, args.module, overrides) == (4, "1", "titan_dualpipe.titan", ["--training.steps", "3"])
+    argv = launch.torchrun_argv(launch.config_arguments("c.toml", args.module, False), 4, "all", overrides, None)
     assert argv[-6:] == ["-m", launch.WORKER_MODULE, "--job.config_file", "c.toml", "--training.steps", "3"]
     assert argv[argv.index("--local-ranks-filter") + 1] == "0,1,2,3"
-    # Shown by default: a rank with the loss (torchtitan's last-stage rule, rank 0 for ours).
-    config = str(CONFIGS / "debug_dualpipe.toml")
-    assert launch.loss_rank(config, [], 2) == 0
-    assert launch.loss_rank(config, ["--parallelism.pipeline-parallel-schedule", "1F1B"], 2) == 1
-    assert launch.loss_rank(config, ["--parallelism.pipeline_parallel_schedule=GPipe",
-                                     "--parallelism.pipeline_parallel_degree", "4"], 8) == 6
+    assert launch.config_arguments("debug_dualpipe", "my_registry", True) == [
+        "--module", "my_registry", "--config", "debug_dualpipe"]
+
+
+def test_launcher_shows_a_rank_with_the_loss_by_default() -> None:
+    """torchtitan's last-stage rule, rank 0 for ours; read from the TOML (0.2.2) or the config function (0.3.0)."""
+    from titan_dualpipe import launch
+
+    def shown(*overrides: str, nproc: int = 2) -> int:
+        return launch._default_log_rank(config("debug_dualpipe"), launch.DEFAULT_MODULE, REGISTRY, list(overrides), nproc)
+
+    assert shown() == 0
+    assert shown("--parallelism.pipeline-parallel-schedule", "1F1B") == 1
+    assert shown("--parallelism.pipeline_parallel_schedule=GPipe", "--parallelism.pipeline_parallel_degree", "4",
+                 nproc=8) == 6
+
+
+def test_launcher_takes_the_config_form_of_the_installed_torchtitan(tmp_path: Path) -> None:
+    """A TOML for 0.2.2, a config name for 0.3.0; the other form, or an unknown name, is a
+    ValueError that says what to give instead (checked for both releases on either)."""
+    from titan_dualpipe import launch
+
+    toml = str(CONFIGS / "debug_dualpipev.toml")
+    launch._check_config(toml, "0.2.2")
+    launch._check_config("debug_dualpipev", "0.3.0")
+    with pytest.raises(ValueError, match=r"torchtitan 0.3.0 has no TOML configs.*e\.g\. debug_dualpipev"):
+        launch._check_config(toml, "0.3.0")
+    with pytest.raises(ValueError, match=r"torchtitan 0.2.2 reads TOML files.*train_configs/debug_dualpipev\.toml"):
+        launch._check_config("debug_dualpipev", "0.2.2")
+    with pytest.raises(ValueError, match="is not a file"):
+        launch._check_config(str(tmp_path / "missing.toml"), "0.2.2")
+    if REGISTRY:
+        with pytest.raises(ValueError, match=r"'debug_dualpipeX' is not a function of .*debug_dualpipev"):
+            launch.load_registry_config(launch.DEFAULT_MODULE, "debug_dualpipeX")
+        with pytest.raises(ValueError, match="neither no_such_module.config_registry nor no_such_module"):
+            launch.load_registry_config("no_such_module", "debug_dualpipev")
+
+
+def test_launcher_reports_a_ranks_own_error_before_the_stop_signals(tmp_path: Path) -> None:
+    """torchrun stops the other ranks with SIGTERM once one fails; the report names the failed
+    rank's error: its traceback when it wrote one, else the end of its stderr (a parse error)."""
+    from types import SimpleNamespace
+
+    from titan_dualpipe.launch import first_error
+
+    def failure(exitcode: int, message: str, error_file: str = "", timestamp: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=exitcode, message=message, error_file=error_file, timestamp=timestamp,
+                               local_rank=None)
+
+    stopped = failure(-15, "Signal 15 (SIGTERM) received by PID 7")
+    error_file = tmp_path / "error.json"
+    error_file.write_text("{}")
+    raised = failure(1, {"message": "ValueError: bad microbatches"}, str(error_file))
+    assert first_error({0: stopped, 1: raised}, None) == "[rank1]: ValueError: bad microbatches"
+    assert first_error({0: stopped, 1: stopped}, None).startswith("[rank0]: Signal 15")
+    log = tmp_path / "run_x" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("[titan] starting\n\x1b[31mUnrecognized options: false\x1b[0m\n")
+    parse_error = failure(2, "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+    parse_error.local_rank = 1
+    report = first_error({0: stopped, 1: parse_error}, str(tmp_path))
+    assert report.startswith("[rank1]: exit code 2") and report.endswith("Unrecognized options: false")
+    earlier = failure(1, {"message": "RuntimeError: first"}, str(error_file))
+    later_file = tmp_path / "later.json"
+    later_file.write_text("{}")
+    os.utime(later_file, (error_file.stat().st_mtime + 5,) * 2)
+    later = failure(1, {"message": "RuntimeError: peer closed"}, str(later_file))
+    assert first_error({0: later, 1: earlier}, None) == "[rank1]: RuntimeError: first"
+
+
+def test_cli_works_without_torchtitan(tmp_path: Path) -> None:
+    """Only the adapter needs torchtitan: the command line builds, `csv` runs, and `train` says what to install."""
+    code = (
+        "import sys; sys.modules['torchtitan'] = None\n"
+        "import titan_dualpipe.torchtitan_version as v; v.installed = lambda package: None\n"
+        "from titan_dualpipe.cli import main\n"
+        f"assert main(['csv', '--schedule', 'DualPipe', '--pp', '2', '--microbatches', '4', '-o', {str(tmp_path / 'o.csv')!r}]) == 0\n"
+        "sys.exit(main(['train', 'debug_dualpipev', '--nproc', '2']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "titan-dualpipe train: error: titan_dualpipe.titan needs torchtitan: pip install" in proc.stderr
+    assert (tmp_path / "o.csv").is_file()
 
 
 def _twin_counts_worker(rank: int, init_file: str, results) -> None:
@@ -546,16 +698,17 @@ def _twin_counts_worker(rank: int, init_file: str, results) -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from titan_dualpipe.titan import GEN
     from titan_dualpipe.titan.moe_twins import sum_twin_counts
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     parts = {}
     for part in (0, 1):  # both ranks hold parts 0 and 1 (pp=2), each saw other microbatches
         module = nn.Module()
-        module.register_buffer("tokens_per_expert", torch.full((4,), float(10 * rank + part)))
+        module.register_buffer(GEN.expert_count_buffer, torch.full((4,), float(10 * rank + part)))
         parts[part] = nn.ModuleDict({"moe": module})
     sum_twin_counts(parts, peer=1 - rank, group=None)
-    results[rank] = [parts[p].moe.tokens_per_expert.tolist() for p in (0, 1)]
+    results[rank] = [getattr(parts[p].moe, GEN.expert_count_buffer).tolist() for p in (0, 1)]
     dist.destroy_process_group()
 
 
@@ -570,6 +723,9 @@ def test_moe_twin_expert_counts_summed(tmp_path: Path) -> None:
 def test_untested_torchtitan_is_refused_by_name() -> None:
     from titan_dualpipe.titan import TORCHTITAN_VERSION, check_torchtitan_version
 
-    assert TORCHTITAN_VERSION == "0.2.2"
-    with pytest.raises(ImportError, match=r"supports torchtitan 0.2.2; found torchtitan 0.1.0"):
+    assert TORCHTITAN_VERSION == TORCHTITAN in ("0.2.2", "0.3.0")
+    with pytest.raises(ImportError, match=r"supports torchtitan 0.2.2 and 0.3.0; found torchtitan 0.1.0"):
         check_torchtitan_version("0.1.0")
+    with pytest.raises(ImportError, match=r"tested with torchtitan 0.3.0 on torch 2.14; found torch 2.13.0"):
+        check_torchtitan_version("0.3.0", torch="2.13.0+cpu")
+    assert check_torchtitan_version("0.2.2", torch="2.11.0") == "0.2.2"

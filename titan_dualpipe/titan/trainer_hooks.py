@@ -47,10 +47,28 @@ def prepare(job_config: Any) -> None:
     if ACTIVE.plan is None:
         return
     expert_overlap.install()
-    spec = getattr(job_config, "model_spec", None)  # 0.3.0
-    if ACTIVE.plan.schedule == "DualPipe" and spec is not None and spec.post_optimizer_build_fn is not None:
+    if GEN.registry and ACTIVE.plan.schedule == "DualPipe":
+        _adapt_dualpipe_030(job_config)
+
+
+def _adapt_dualpipe_030(config: Any) -> None:
+    """0.3.0 + DualPipe: twin expert counts, and a loss that does not look for the LM head in the last part.
+
+    torchtitan's chunked loss takes the LM head from the last model part of a rank with a last
+    stage. Under DualPipe rank ``pp-1`` holds the head in its first part (the last part of
+    direction 0), so the chunked wrapper gives way to the loss it wraps: the same loss, computed
+    from the full logits.
+    """
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.tools.logging import logger
+
+    spec = config.model_spec
+    if spec.post_optimizer_build_fn is not None:
         post_build = with_twin_expert_counts_030(spec.post_optimizer_build_fn)
-        job_config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_build)
+        config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_build)
+    if isinstance(config.loss, ChunkedLossWrapper.Config):
+        config.loss = config.loss.loss_fn
+        logger.info("DualPipe: the chunked loss is computed unchunked (the LM head is not in every rank's last part)")
 
 
 def _hook_init_distributed(cls: type) -> None:

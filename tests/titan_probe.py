@@ -1,0 +1,74 @@
+"""Loaded inside torchtitan's trainer processes by the end-to-end tests (``tests/test_titan.py``).
+
+torchtitan 0.2.2 loads it with ``--experimental.custom_import titan_probe``; on 0.3.0 it is the
+``--module`` of the run: a user's own config registry that imports ours (the pattern the README
+documents), so ``--module titan_probe --config debug_dualpipe`` runs our config with the probe.
+
+With ``PROBE_ENV`` set it records, at ``Trainer.close``, each rank's schedule class, its
+``overlap`` setting, how many pairs ran as a relay and how often their halves switched, and a
+hash of every parameter (and MoE expert bias) of every stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from pathlib import Path
+
+from titan_dualpipe.titan import GEN
+
+if GEN.registry:  # a config registry of one's own: our configs, imported from ours
+    from titan_dualpipe.titan.config_registry import debug_dualpipe, debug_dualpipev, debug_moe_dualpipe  # noqa: F401
+
+PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
+
+
+def _param_hashes(module) -> dict[str, str]:
+    """Parameters and MoE expert biases (routing state), this rank's shard of each."""
+    tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if "expert_bias" in n)]
+    return {
+        name: hashlib.sha1(getattr(t, "to_local", t.detach)().detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+        for name, t in tensors
+    }
+
+
+def _install_probe(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    from titan_dualpipe.overlap import pair
+
+    trainer_class = importlib.import_module(GEN.trainer_module).Trainer
+    original_close = trainer_class.close
+    relayed = {"pairs": 0, "hand_overs": 0}
+    run_relayed = pair.run_relayed
+
+    def counted_run_relayed(forward_half, backward_half):
+        done = run_relayed(forward_half, backward_half)
+        relayed["pairs"] += 1
+        relayed["hand_overs"] += done.hand_overs
+        return done
+
+    pair.run_relayed = counted_run_relayed
+
+    def close(self) -> None:
+        schedule = getattr(self, "pp_schedule", None)
+        if schedule is not None:
+            record = {
+                "schedule_mro": [c.__module__ + "." + c.__name__ for c in type(schedule).__mro__],
+                "overlap_callback": OVERLAP_F_B in schedule._comp_type_to_function_map,
+                "overlap": getattr(schedule, "overlap", None),
+                "relayed": relayed,
+                "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
+            }
+            path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
+            path.write_text(json.dumps(record))
+        original_close(self)
+
+    trainer_class.close = close
+
+
+if os.environ.get(PROBE_ENV):
+    _install_probe(os.environ[PROBE_ENV])
