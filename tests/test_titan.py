@@ -286,6 +286,20 @@ def test_dualpipe_resume_continues_with_same_losses(runs_dir: Path, dualpipe_run
 
 
 @pytest.mark.titan_e2e
+def test_finished_run_goes_on_from_its_last_checkpoint(runs_dir: Path, dualpipe_run: Run) -> None:
+    """The README's resume: started again with more steps, a finished run loads its last
+    checkpoint (the shipped configs save it with the training state; torchtitan's default saves
+    it model-only, and loading that fails on the missing data-loader state)."""
+    extended = runs_dir / "extended"
+    last = f"step-{STEPS}"
+    shutil.copytree(dualpipe_run.out_dir / "checkpoint" / last, extended / "checkpoint" / last)
+    run = _ok(train("debug_dualpipe", extended, "--checkpoint.enable", steps=STEPS + 2))
+    assert f"Training starts at step {STEPS + 1}" in run.output
+    losses = run.losses()
+    assert sorted(losses) == [STEPS + 1, STEPS + 2] and all(0 < v < dualpipe_run.losses()[1] for v in losses.values())
+
+
+@pytest.mark.titan_e2e
 def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> None:
     """Each rank checks the config itself before init_process_group. torchrun stops the other
     ranks once one has failed; a 3 s monitor interval lets a late-starting rank reach its own

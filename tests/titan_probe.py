@@ -26,12 +26,12 @@ PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
 
 
 def _param_hashes(module) -> dict[str, str]:
-    """Parameters and MoE expert biases (routing state), this rank's shard of each."""
+    """Parameters and MoE expert biases (routing state), this rank's shard of each, bit for bit."""
+    import torch
+
     tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if "expert_bias" in n)]
-    return {
-        name: hashlib.sha1(getattr(t, "to_local", t.detach)().detach().contiguous().cpu().numpy().tobytes()).hexdigest()
-        for name, t in tensors
-    }
+    local = {name: getattr(t, "to_local", t.detach)().detach().contiguous().cpu().reshape(-1) for name, t in tensors}
+    return {name: hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest() for name, t in local.items()}
 
 
 def _install_probe(out_dir: str) -> None:

@@ -12,14 +12,18 @@ unchanged (:mod:`titan_dualpipe.overlap.relay`).
   ``all_to_all_single_autograd``, a name that module looks up at call time.
 - 0.3.0: ``AllToAllTokenDispatcher`` (:mod:`torchtitan.models.common.token_dispatcher`) posts
   both exchanges from two methods, ``_dispatch_token_exchange`` and
-  ``_combine_token_exchange``, given the expert-parallel process group.
+  ``_combine_token_exchange``, given the expert-parallel process group. It finds that group
+  through torchtitan's per-thread SPMD mesh state, which the relay's backward-half thread
+  lacks (activation checkpointing re-runs the dispatch there): :class:`TrainerMeshes` gives a
+  thread without that state the trainer's meshes.
 
 DeepEP / HybridEP dispatch has its own communication and is left as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 
@@ -40,6 +44,36 @@ def _combine_token_exchange(self: Any, routed: torch.Tensor, pg: Any, input_spli
     return relayed_all_to_all_single(routed, input_splits, output_splits, pg)
 
 
+class TrainerMeshes(threading.local):
+    """torchtitan 0.3.0's per-thread SPMD meshes. A thread that never registered any (the
+    relay's backward-half thread) starts with the meshes the trainer registered last and the
+    dense mesh current, as the backward half has them when it runs on the trainer's thread."""
+
+    registered: dict[str, Any] = {}  # process-wide copy of the last set_spmd_meshes
+
+    def __init__(self) -> None:
+        dense = self.registered.get("dense_mesh")
+        if dense is not None:
+            self.dense_mesh, self.sparse_mesh = dense, self.registered["sparse_mesh"]
+            self.mesh_stack = [dense]
+
+
+def _recording(set_spmd_meshes: Callable[..., None]) -> Callable[..., None]:
+    def set_meshes(*, dense_mesh: Any, sparse_mesh: Any) -> None:
+        set_spmd_meshes(dense_mesh=dense_mesh, sparse_mesh=sparse_mesh)
+        TrainerMeshes.registered.update(dense_mesh=dense_mesh, sparse_mesh=sparse_mesh)
+
+    return set_meshes
+
+
+def _share_meshes_with_the_relay() -> None:
+    from torchtitan.distributed import spmd_types
+
+    if not isinstance(spmd_types._MESH_TLS, TrainerMeshes):
+        spmd_types._MESH_TLS = TrainerMeshes()
+        spmd_types.set_spmd_meshes = _recording(spmd_types.set_spmd_meshes)
+
+
 def install() -> None:
     """Route torchtitan's expert-parallel all-to-all through the relay (idempotent)."""
     if GEN.registry:
@@ -47,6 +81,7 @@ def install() -> None:
 
         AllToAllTokenDispatcher._dispatch_token_exchange = _dispatch_token_exchange
         AllToAllTokenDispatcher._combine_token_exchange = _combine_token_exchange
+        _share_meshes_with_the_relay()
         return
     from torchtitan.distributed import expert_parallel
 

@@ -86,4 +86,5 @@ def with_twin_expert_counts_030(post_build: Callable[..., None]) -> Callable[...
         post_build(optimizers, model_parts, *args, **kwargs)
         add_twin_count_hook(optimizers, model_parts)
 
+    post_optimizer_build_fn._titan_dualpipe = True  # type: ignore[attr-defined]
     return post_optimizer_build_fn

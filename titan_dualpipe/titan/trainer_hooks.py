@@ -62,10 +62,9 @@ def _adapt_dualpipe_030(config: Any) -> None:
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.tools.logging import logger
 
-    spec = config.model_spec
-    if spec.post_optimizer_build_fn is not None:
-        post_build = with_twin_expert_counts_030(spec.post_optimizer_build_fn)
-        config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_build)
+    spec = config.model_spec  # changed in place: the trainer holds it from before init_distributed
+    if spec.post_optimizer_build_fn is not None and not getattr(spec.post_optimizer_build_fn, "_titan_dualpipe", False):
+        spec.post_optimizer_build_fn = with_twin_expert_counts_030(spec.post_optimizer_build_fn)
     if isinstance(config.loss, ChunkedLossWrapper.Config):
         config.loss = config.loss.loss_fn
         logger.info("DualPipe: the chunked loss is computed unchunked (the LM head is not in every rank's last part)")
