@@ -78,9 +78,10 @@ def key(dotted: str) -> str:
 @dataclass
 class Run:
     returncode: int
-    output: str
+    output: str  # stdout and stderr
     seconds: float
     out_dir: Path
+    stdout: str = ""
 
     def logged(self) -> dict[int, dict[int, tuple[float, float]]]:
         """{rank: {step: (loss, grad_norm)}} from the console lines."""
@@ -132,7 +133,7 @@ def train(name: str, out_dir: Path, *overrides: str, cwd: Path = ROOT, probe: bo
            *overrides]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    run = Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, out_dir)
+    run = Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, out_dir, proc.stdout)
     (out_dir / "console.log").write_text(run.output)
     return run
 
@@ -367,7 +368,7 @@ def test_launcher_reports_a_parse_error_not_the_stop_signal(runs_dir: Path) -> N
     torchrun then stops the others with SIGTERM. The launcher names the parser's message."""
     run = train("debug_dualpipe", runs_dir / "unparsable", "--checkpoint.last_save_model_only", "false")
     assert run.returncode == 1
-    report = ANSI.sub("", run.output).split("first error:", 1)[1]
+    report = ANSI.sub("", run.stdout).split("first error:", 1)[1]  # the launcher's last words, on stdout
     assert "exit code 2" in report and "Unrecognized options" in report and "false" in report, report
     assert "SIGTERM" not in report and "To enable traceback" not in report
 
@@ -654,10 +655,11 @@ def test_launcher_takes_the_config_form_of_the_installed_torchtitan(tmp_path: Pa
     with pytest.raises(ValueError, match="is not a file"):
         launch._check_config(str(tmp_path / "missing.toml"), "0.2.2")
     if REGISTRY:
-        with pytest.raises(ValueError, match=r"'debug_dualpipeX' is not a function of .*debug_dualpipev"):
+        with pytest.raises(ValueError, match=r"'debug_dualpipeX' not found in .*'debug_dualpipev'"):
             launch.load_registry_config(launch.DEFAULT_MODULE, "debug_dualpipeX")
-        with pytest.raises(ValueError, match="neither no_such_module.config_registry nor no_such_module"):
+        with pytest.raises(ValueError, match="--module no_such_module: Cannot import module 'no_such_module'"):
             launch.load_registry_config("no_such_module", "debug_dualpipev")
+        assert launch.load_registry_config("llama3", "llama3_debugmodel").parallelism.pipeline_parallel_degree == 1
 
 
 def test_launcher_reports_a_ranks_own_error_before_the_stop_signals(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib
 import os
 import re
 import tempfile
@@ -114,22 +113,14 @@ def _toml_parallelism(config: str) -> dict:
 
 
 def load_registry_config(module: str, name: str) -> Any:
-    """``name()`` from ``<module>.config_registry`` or ``<module>`` (torchtitan 0.3.0's lookup)."""
-    for candidate in (f"{module}.config_registry", module):
-        try:
-            registry = importlib.import_module(candidate)
-            break
-        except ModuleNotFoundError as err:
-            if err.name is None or not candidate.startswith(err.name):
-                raise
-    else:
-        raise ValueError(f"--module {module}: neither {module}.config_registry nor {module} can be imported")
-    function = getattr(registry, name, None)
-    if not callable(function):
-        names = sorted(n for n in dir(registry) if not n.startswith("_") and n[0].islower()
-                       and callable(getattr(registry, n)) and not isinstance(getattr(registry, n), type))
-        raise ValueError(f"config {name!r} is not a function of {registry.__name__}; its configs: {', '.join(names)}")
-    return function()
+    """The config ``--module module --config name`` gives torchtitan 0.3.0 (its own lookup)."""
+    from torchtitan.config import ConfigManager
+
+    try:
+        config, _ = ConfigManager()._load_config(["--module", module, "--config", name])
+    except ImportError as err:
+        raise ValueError(f"--module {module}: {err}") from None
+    return config
 
 
 def loss_rank(schedule: str, degree: Any, nproc: int) -> int:
