@@ -539,6 +539,7 @@ def test_dualpipe_overlap_switch_and_with_dualpipe() -> None:
         with_dualpipe(plain.training)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_cpu_attention_equals_flex_attention_and_has_a_backward() -> None:
     """0.3.0's CPU mode attends with plain tensor ops: flex attention's outputs and log-sum-exp for
     packed documents, causal, grouped-query heads; and a backward that flex attention lacks on CPU."""
