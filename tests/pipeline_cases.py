@@ -361,3 +361,49 @@ def compiled_stages_refused(schedule: str, pp: int, n: int) -> str | None:
     except ValueError as err:
         return str(err)
     raise AssertionError("stages with compiled blocks were accepted")
+
+
+def recorded_step_trace(schedule: str, pp: int, n: int, *, fsdp: bool = False, **schedule_kwargs) -> dict | None:
+    """Two training steps under a :class:`CommRecorder`: this rank's posted communication."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    rank = dist.get_rank()
+    dp_mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+        group, dp_mesh, pp_rank, dp_index = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    else:
+        group, pp_rank, dp_index = first_ranks_group(pp), rank, 0
+        if rank >= pp:
+            return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, **schedule_kwargs)
+    with CommRecorder() as recorder:
+        for step in range(2):
+            x, y = batch(step, n, dp_index)
+            sched.step(x, target=y, losses=[]) if sched.placement.feeds_batch(pp_rank) else sched.step()
+    return {"rank": rank, "events": recorder.events}
+
+
+def recorded_trace_of_hand_made_order(pp: int, n: int, move: str, after: str) -> dict | None:
+    """DualPipeV with one RECV moved after a SEND on rank 1 (``move`` after ``after``): gloo
+    runs it (it buffers sends); the recorded trace is returned for the NCCL model to judge."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, rank)
+    order = {r: list(actions) for r, actions in sched.pipeline_order_with_comms.items()}
+    moved = next(a for a in order[1] if str(a) == move)
+    order[1].remove(moved)
+    order[1].insert(order[1].index(next(a for a in order[1] if str(a) == after)) + 1, moved)
+    sched._prepare_schedule_with_comms(order, format="compute_comms")
+    x, y = batch(0, n)
+    with CommRecorder() as recorder:
+        sched.step(x, target=y, losses=[]) if rank == 0 else sched.step()
+    reference_step(reference, x, y, n, scale_grads=True)
+    _check_grads(modules, reference, "hand-made order")
+    return {"rank": rank, "events": recorder.events}

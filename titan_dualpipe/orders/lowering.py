@@ -143,54 +143,41 @@ def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
     return [leaf for a in actions if a is not None for leaf in leaf_actions(a) if leaf.is_compute_op]
 
 
-def _recv_peer(action: _Action, place: Placement) -> int:
-    stage = action.stage_index
-    producer = place.prev_stage(stage) if action.computation_type == RECV_F else place.next_stage(stage)
-    return place.rank_of(producer)
-
-
 def defer_recvs(lowered: Order, place: Placement) -> Order:
-    """Post each RECV as late as possible: just before the compute that consumes it.
+    """Post each RECV as late as possible without reordering any rank's communication.
 
-    Two rules keep it correct. Messages between a pair of ranks match in posting order
-    (torch's sends carry no tag), and activations and gradients of equal shape flow the
-    same way between V neighbours, so recvs from one peer keep their relative order: a
-    consumer flushes its peer's queue up to its own recv. And, as in torch's
-    ``_defer_recv_ops``, a rank posts pending recvs from a higher peer before sending to
-    it, so the lower rank of every pair always has its recv posted first (no deadlock).
+    A receive moves past compute actions only: it is posted just before the compute that
+    consumes it, or just before the rank's next SEND or RECV, whichever comes first. Every
+    rank therefore posts exactly the communication sequence of the undeferred order, which
+    NCCL needs (no buffering: a send completes only against its posted receive, and a
+    communicator runs its ops in posting order; see :mod:`.nccl_model`), and messages between
+    two ranks keep their order (torch's sends carry no tag, and V neighbours exchange
+    activations and gradients of one shape). torch's ``_defer_recv_ops`` also moves receives
+    past sends, which gloo buffers and NCCL does not.
     """
-    result: Order = {}
-    for rank, actions in lowered.items():
-        out: list[_Action] = []
-        pending: dict[int, deque[_Action]] = {}
+    return {rank: _deferred(actions) for rank, actions in lowered.items()}
 
-        def flush(peer: int, upto: _Action | None = None) -> None:
-            queue = pending.get(peer, deque())
-            while queue:
-                recv = queue.popleft()
-                out.append(recv)
-                if recv == upto:
-                    return
 
-        for action in actions:
-            kind = action.computation_type
-            if kind in (RECV_F, RECV_B):
-                pending.setdefault(_recv_peer(action, place), deque()).append(action)
-                continue
-            if kind in (SEND_F, SEND_B):
-                stage = action.stage_index
-                peer_stage = place.next_stage(stage) if kind == SEND_F else place.prev_stage(stage)
-                peer = place.rank_of(peer_stage)
-                if rank < peer:
-                    flush(peer)
-            for leaf in leaf_actions(action):
-                needed = {F: RECV_F, I: RECV_B, B: RECV_B}.get(leaf.computation_type)
-                recv = _Action(leaf.stage_index, needed, leaf.microbatch_index) if needed else None
-                for peer, queue in pending.items():
-                    if recv in queue:
-                        flush(peer, recv)
-            out.append(action)
-        for peer in list(pending):
-            flush(peer)
-        result[rank] = out
-    return result
+def _deferred(actions: list[_Action]) -> list[_Action]:
+    out: list[_Action] = []
+    pending: list[_Action] = []
+    for action in actions:
+        kind = action.computation_type
+        if kind in (RECV_F, RECV_B):
+            pending.append(action)
+            continue
+        if kind in (SEND_F, SEND_B):
+            out.extend(pending)
+            pending.clear()
+        else:
+            needed = {_consumed_recv(leaf) for leaf in leaf_actions(action)}
+            while needed & set(pending):  # up to the last receive this action consumes
+                out.append(pending.pop(0))
+        out.append(action)
+    return out + pending
+
+
+def _consumed_recv(action: _Action) -> _Action | None:
+    """The receive whose data ``action`` (F, I or B) consumes, if it crosses ranks."""
+    kind = {F: RECV_F, I: RECV_B, B: RECV_B}.get(action.computation_type)
+    return _Action(action.stage_index, kind, action.microbatch_index) if kind is not None else None

@@ -81,7 +81,8 @@ class StepExecutor:
         self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
         self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
         self.sends: list[list[dist.Work]] = []
-        self.sent_early: set[_Action] = set()
+        self.upcoming: list[_Action] = []  # the rest of the order, while run() executes it
+        self.done_early: set[_Action] = set()  # communication posted ahead of its place
         self.backward_count: Counter[int] = Counter()
         self.backward_at_weight: set[tuple[int, int]] = set()
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
@@ -103,7 +104,12 @@ class StepExecutor:
 
     # -- driver ---------------------------------------------------------------------------
     def run(self, actions: list[_Action]) -> None:
-        for action in actions:
+        self.upcoming = list(reversed(actions))  # popped from the end
+        while self.upcoming:
+            action = self.upcoming.pop()
+            if action in self.done_early:
+                self.done_early.remove(action)
+                continue
             if not self.training and action.computation_type in BACKWARD_ONLY:
                 continue
             custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
@@ -206,22 +212,31 @@ class StepExecutor:
 
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
-        if action in self.sent_early:
-            self.sent_early.remove(action)
-            return
         self.sends.append(_batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index)))
 
     def send_backward(self, action: _Action) -> None:
         self.sends.append(_batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index)))
 
     def post_send_early(self, send: _Action) -> None:
-        """Post a forward send now, ahead of its place in the order (which then skips it),
-        if the order has it at all (no send to a same-rank stage or past a chain end)."""
-        nxt = self.place.next_stage(send.stage_index)
-        if nxt is None or nxt in self.stages:
+        """Post a forward send now, ahead of its place in the order (which then skips it).
+
+        Only when nothing but receives stands between here and the send in the order: those
+        are posted first, so this rank's communication keeps its order (NCCL runs a
+        communicator's ops in posting order and does not buffer). Otherwise, or when the
+        order has no such send (same-rank next stage, chain end), the send waits its turn.
+        """
+        ahead: list[_Action] = []
+        for action in reversed(self.upcoming):
+            if action == send:
+                break
+            if action.computation_type not in (RECV_F, RECV_B):
+                return
+            ahead.append(action)
+        else:
             return
-        self.send_forward(send)
-        self.sent_early.add(send)
+        for action in (*ahead, send):
+            self._handlers[action.computation_type](action)
+            self.done_early.add(action)
 
     def recv_forward(self, action: _Action) -> None:
         key = (action.stage_index, action.microbatch_index)
