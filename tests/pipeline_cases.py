@@ -407,3 +407,40 @@ def recorded_trace_of_hand_made_order(pp: int, n: int, move: str, after: str) ->
     reference_step(reference, x, y, n, scale_grads=True)
     _check_grads(modules, reference, "hand-made order")
     return {"rank": rank, "events": recorder.events}
+
+
+def steps_with_collectives_on_stage_device(schedule: str, pp: int, n: int, *, fsdp: bool = False,
+                                           **schedule_kwargs) -> dict | None:
+    """Two training steps and an eval where factory functions default to ``meta`` (as a GPU
+    run's default is the CPU, not the stages' device) and every tensor handed to a collective
+    must be on the stages' device; then the numerics against the reference."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    rank = dist.get_rank()
+    dp_mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+        group, dp_mesh, pp_rank = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank()
+        if mesh["dp"].size() != 1:
+            raise ValueError("use pp == world size with fsdp here (one replica to compare with)")
+    else:
+        group, pp_rank = first_ranks_group(pp), rank
+        if rank >= pp:
+            return None
+    reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, **schedule_kwargs)
+    feeds = sched.placement.feeds_batch(pp_rank)
+    opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    with CommRecorder(device=torch.device("cpu")) as recorder:
+        for step in range(2):
+            x, y = batch(step, n)
+            with torch.device("meta"):
+                sched.step(x, target=y, losses=[]) if feeds else sched.step()
+            reference_step(reference, x, y, n, scale_grads=True)
+            _check_grads(modules, reference, f"step {step}")
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        with torch.no_grad(), torch.device("meta"):
+            sched.eval(x, target=y, losses=[]) if feeds else sched.eval()
+    return {"collectives": len(recorder.events)}

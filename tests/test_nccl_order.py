@@ -136,3 +136,14 @@ def test_recorded_posting_at_pp8_completes_without_buffering(pool8, schedule, kw
     results = [r for r in pool8.run(cases.recorded_step_trace, schedule=schedule, pp=8, n=16, **kwargs) if r]
     assert len(results) == 8
     check_completes({r["rank"]: r["events"] for r in results})
+
+
+@pytest.mark.parametrize("schedule,pp,n,kwargs", [
+    ("DualPipeV", 2, 4, {}), ("DualPipe", 2, 4, {}), ("DualPipe", 4, 8, {"defer_pp_recv": True}),
+    ("DualPipeV", 4, 8, {"fsdp": True}), ("DualPipe", 4, 8, {"fsdp": True, "overlap": False}),
+], ids=["V", "DualPipe", "DualPipe-deferred", "V-fsdp", "DualPipe-fsdp"])
+def test_every_collective_gets_tensors_on_the_stage_device(pool, schedule, pp, n, kwargs):
+    """NCCL-only groups reject CPU tensors: inside step()/eval(), tensors made without device=
+    land on meta here, and any collective or p2p op given one fails the case."""
+    ran = [r for r in pool.run(cases.steps_with_collectives_on_stage_device, schedule=schedule, pp=pp, n=n, **kwargs) if r]
+    assert ran and all(r["collectives"] > 0 for r in ran)

@@ -7,6 +7,12 @@ recorded in posting order with the communicator NCCL would run it on, and so is 
 :func:`~titan_dualpipe.orders.nccl_model.check_completes`: an order that gloo completes (it
 buffers sends) but that would hang under NCCL then fails on a CPU machine.
 
+With ``device=``, every tensor handed to a collective or p2p op must live on that device (the
+stages' device: NCCL rejects CPU tensors); a call that breaks the rule raises
+:class:`WrongDevice` before it communicates. Under ``with torch.device("meta"):`` a tensor made
+without ``device=`` lands on ``meta``, so a CPU machine catches what would be a CPU tensor on
+a GPU machine.
+
 For tests and ``titan-dualpipe check``; it patches module attributes while active, so use it
 around a whole ``step()``, not concurrently with another recorder.
 """
@@ -43,6 +49,17 @@ def _members(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group if group is not None else c10d._get_default_group()))
 
 
+def _tensors_in(values: Any) -> list[torch.Tensor]:
+    """Tensors among call arguments (lists of tensors included)."""
+    found: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
 def _action_label() -> str:
     """The schedule action being run (a local ``action`` of a calling frame), for messages."""
     frame = sys._getframe(2)
@@ -56,10 +73,15 @@ def _action_label() -> str:
     return ""
 
 
+class WrongDevice(AssertionError):
+    """A tensor handed to a collective or p2p op is not on the stages' device."""
+
+
 class CommRecorder:
     """Context manager; ``events`` holds this process's posts and waits (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
         self.events: list[Event] = []
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -84,6 +106,15 @@ class CommRecorder:
             if entry is not None:
                 self.events.append(Wait(entry[0]))
 
+    def _check_device(self, call: str, tensors: list) -> None:
+        if self.device is None:
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                where = _action_label()
+                raise WrongDevice(f"{call} got a tensor of shape {tuple(t.shape)} on {t.device}; the stages are on "
+                                  f"{self.device}{f' (during {where})' if where else ''}")
+
     @property
     def _inside_batch(self) -> bool:
         return getattr(self._local, "batch", False)
@@ -93,12 +124,13 @@ class CommRecorder:
         signature = inspect.signature(original)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
             if self._inside_batch:
-                return result
+                return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
+            self._check_device(original.__name__, [a["tensor"]])
+            result = original(*args, **kwargs)
             group = a.get("group")
             peer_arg = a.get("dst" if kind == SEND else "src")
             group_peer = a.get("group_dst" if kind == SEND else "group_src")
@@ -113,6 +145,7 @@ class CommRecorder:
 
     def _batch(self, original: Callable) -> Callable:
         def batch_isend_irecv(p2p_op_list: list) -> Any:
+            self._check_device("batch_isend_irecv", [p.tensor for p in p2p_op_list])
             self._local.batch = True
             try:
                 works = original(p2p_op_list)
@@ -130,11 +163,12 @@ class CommRecorder:
         signature = inspect.signature(original)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
             if self._inside_batch:
-                return result
+                return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
+            self._check_device(name, _tensors_in(bound.arguments.values()))
+            result = original(*args, **kwargs)
             group = bound.arguments.get("group")
             tensor = next((v for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
             op = Collective(name, _members(group), _signature(tensor))

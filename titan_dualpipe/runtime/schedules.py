@@ -213,7 +213,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         holds_last = any(self.placement.is_last(s.stage_index) for s in self._stages)
         group = self._stages[0].group
         # [ranks with a problem, last-stage ranks passing a target, last-stage ranks]
-        counts = torch.tensor([int(bool(problem)), int(holds_last and target is not None), int(holds_last)])
+        counts = torch.tensor([int(bool(problem)), int(holds_last and target is not None), int(holds_last)],
+                              device=self._stages[0].device)
         dist.all_reduce(counts, group=group)
         if counts[0] == 0 and counts[1] not in (0, counts[2]):
             problem = problem or (
@@ -321,7 +322,7 @@ class ScheduleDualPipe(_DualPipeFamily):
     def sync_twin_weights(self) -> None:
         """Copy each direction-0 part onto its direction-1 twin (collective over twin pairs)."""
         near, far = self._stages  # sorted: direction-0 stage r, direction-1 stage 2pp-1-r
-        copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group)
+        copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group, near.device)
         self._twins_synced = True
 
     def _before_first_step(self) -> None:

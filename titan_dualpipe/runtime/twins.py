@@ -79,7 +79,7 @@ def _wrap_like(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def copy_to_twin(
-    source: nn.Module, target: nn.Module, peer: int, group: dist.ProcessGroup | None
+    source: nn.Module, target: nn.Module, peer: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
     """Send ``source``'s parameters to ``peer`` and overwrite ``target``'s with the peer's.
 
@@ -90,7 +90,7 @@ def copy_to_twin(
         _reshard(module)
     mine = [_local(p) for p in source.parameters()]
     dest = [_local(p) for p in target.parameters()]
-    _check_same_part(mine, dest, peer, group)
+    _check_same_part(mine, dest, peer, group, device)
     for t, theirs in zip(dest, _exchange(mine, dest, peer, group)):
         t.copy_(theirs)
 
@@ -102,18 +102,19 @@ def _reshard(module: nn.Module) -> None:
             m.reshard()
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64)
+def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64, device=device)
 
 
 def _check_same_part(
-    mine: list[torch.Tensor], dest: list[torch.Tensor], peer: int, group: dist.ProcessGroup | None
+    mine: list[torch.Tensor], dest: list[torch.Tensor], peer: int, group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> None:
     """Both twins of each part must have the same parameters. Both ranks compare both
     parts, so they agree on the outcome and neither is left waiting in the bulk copy."""
-    ours = torch.cat([_fingerprint(mine), _fingerprint(dest)])
+    ours = torch.cat([_fingerprint(mine, device), _fingerprint(dest, device)])
     (theirs,) = _exchange([ours], [ours], peer, group)
-    expected = torch.cat([_fingerprint(dest), _fingerprint(mine)])
+    expected = torch.cat([_fingerprint(dest, device), _fingerprint(mine, device)])
     if not torch.equal(theirs, expected):
         raise ValueError(
             f"DualPipe twin mismatch with rank {peer}: (params, elements) of its two stages are "
