@@ -389,6 +389,37 @@ def test_train_configs_load_and_validate(config: Path) -> None:
     assert plan is not None and plan.schedule == adapter.our_schedule(job.parallelism.pipeline_parallel_schedule)
 
 
+GPU_CONFIGS = {  # config -> the world it is written for (the README's launch commands)
+    "llama3_8b_dualpipev.toml": {"world": 8, "pp": 4, "dp_shard": 2, "ep": 1, "stages": 8},
+    "deepseek_v3_16b_dualpipe.toml": {"world": 16, "pp": 4, "dp_shard": 4, "ep": 4, "stages": 8},
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_configs_fit_the_world_they_declare(name: str) -> None:
+    """The GPU starting points, through torchtitan's parser, its parallel-dims validation for
+    their world size, the model flavour's layers and experts, and our config checks."""
+    import titan_dualpipe.titan as adapter
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    expected = GPU_CONFIGS[name]
+    job = _job_config(CONFIGS / name)
+    par = job.parallelism
+    dims = ParallelDims(dp_shard=par.data_parallel_shard_degree, dp_replicate=par.data_parallel_replicate_degree,
+                        cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                        ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree, world_size=expected["world"])
+    assert (dims.pp, dims.dp_shard, dims.ep) == (expected["pp"], expected["dp_shard"], expected["ep"])
+    model = get_train_spec(job.model.name).model_args[job.model.flavor]
+    plan = adapter.check_job_config(job, model.n_layers)
+    assert plan is not None and 2 * plan.pp == expected["stages"] and plan.n_microbatches >= 2 * plan.pp
+    moe = getattr(model, "moe_args", None)
+    if dims.ep > 1:
+        assert moe is not None and moe.num_experts % dims.ep == 0
+        assert (dims.dp_shard * dims.cp) % dims.ep == 0, "torchtitan shards experts inside the FSDP x CP group"
+    assert not job.compile.enable and job.activation_checkpoint.mode in ("selective", "full")
+
+
 @pytest.mark.parametrize(
     "overrides, keys",
     [
