@@ -11,38 +11,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from titan_dualpipe import ScheduleDualPipe, ScheduleDualPipeV, placement
-from titan_dualpipe._compat import _format_pipeline_order
+from titan_dualpipe import placement
 from titan_dualpipe.bench.model import TinyLM, lm_loss, split_model
-
-SCHEDULES = {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}
-RTOL, ATOL = 1e-5, 4e-5
-VOCAB, SEQ, MB_SIZE = 64, 8, 2
+from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test modules
+    ATOL, MB_SIZE, RTOL, SCHEDULES, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
+    train_and_compare,
+)
+from titan_dualpipe.check import numerics as _numerics
 
 
 @lru_cache(maxsize=None)
 def first_ranks_group(size: int) -> dist.ProcessGroup:
     """Group of world ranks 0..size-1 (created on every rank, in the same order)."""
     return dist.new_group(list(range(size)))
-
-
-def batch(step: int, n: int, dp_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + dp_index)
-    x = torch.randint(0, VOCAB, (n * MB_SIZE, SEQ), generator=g)
-    y = torch.randint(0, VOCAB, (n * MB_SIZE, SEQ), generator=g)
-    return x, y
-
-
-def reference_step(model: TinyLM, x: torch.Tensor, y: torch.Tensor, n: int, scale_grads: bool) -> list[float]:
-    """Per-microbatch losses; accumulates the gradient of their mean (or sum) into model."""
-    losses = [lm_loss(model(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))]
-    total = torch.stack(losses).sum()
-    (total / n if scale_grads else total).backward()
-    return [l.item() for l in losses]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _from_csv(cls, csv_format: str):
@@ -83,118 +64,31 @@ RUNTIMES = {
 }
 
 
-def build_pipeline(schedule: str, pp: int, n: int, group, pp_rank: int, *, perturb_twins: bool = True,
-                   fsdp_mesh=None, runtime: str = "ours", **schedule_kwargs):
-    """Reference model, this rank's two stage modules, and the schedule."""
-    torch.manual_seed(0)
-    place = placement(schedule, pp, n)
-    n_parts = place.num_stages if schedule == "DualPipeV" else pp
-    full = TinyLM(vocab=VOCAB, dim=16, layers=max(n_parts, 2), heads=2)
-    parts = split_model(full, n_parts)
-    modules = {s: copy.deepcopy(parts[place.model_part(s)]) for s in place.stages_of(pp_rank)}
-    if perturb_twins and place.bidirectional:  # the first step must make twins identical
-        with torch.no_grad():
-            for p in modules[place.stages_of(pp_rank)[1]].parameters():
-                p.add_(0.5)
-    if fsdp_mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for m in modules.values():
-            for layer in m.layers.values():
-                fully_shard(layer, mesh=fsdp_mesh)
-            fully_shard(m, mesh=fsdp_mesh)
-    stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=group)
-              for s in place.stages_of(pp_rank)]
-    sched = RUNTIMES[runtime](schedule)(stages, n, loss_fn=lm_loss, **schedule_kwargs)
-    return full, modules, sched
+def build_pipeline(schedule: str, pp: int, n: int, group, pp_rank: int, *, runtime: str = "ours", **kwargs):
+    """Reference model, this rank's two stage modules, and the schedule (built by ``runtime``)."""
+    return _numerics.build_pipeline(schedule, pp, n, group, pp_rank, factory=RUNTIMES[runtime](schedule), **kwargs)
 
 
-def _check_grads(modules, reference: TinyLM, label: str) -> float:
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for s, module in modules.items():
-        for name, p in module.named_parameters():
-            assert p.grad is not None, f"{label}: stage {s} {name} has no gradient"
-            got, want = _full(p.grad), ref[name].grad
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: stage {s} {name}: {m}")
-            worst = max(worst, (got - want).abs().max().item())
-    return worst
+def numerics(schedule: str, pp: int, n: int, *, defer_pp_recv: bool = False, fsdp: bool = False,
+             runtime: str = "ours", **kwargs) -> dict | None:
+    """Two training steps with an optimizer step between, checked against a reference.
 
-
-def _check_twins(modules, place, pp_rank: int, group) -> int:
-    """Gather both copies of every part across the pipeline and require bitwise equality."""
-    mine = {s: [_full(p).detach() for p in m.parameters()] for s, m in modules.items()}
-    everyone: list = [None] * place.pp_size
-    dist.all_gather_object(everyone, mine, group=group)
-    copies: dict[int, list] = {}
-    for stages in everyone:
-        for s, tensors in stages.items():
-            copies.setdefault(place.model_part(s), []).append(tensors)
-    for part, (a, b) in copies.items():
-        for x, y in zip(a, b, strict=True):
-            assert torch.equal(x, y), f"twins of part {part} differ by {(x - y).abs().max().item()}"
-    return len(copies)
-
-
-def numerics(schedule: str, pp: int, n: int, *, scale_grads: bool = True, defer_pp_recv: bool = False,
-             fsdp: bool = False, steps: int = 2, **schedule_kwargs) -> dict | None:
-    """Two training steps with an optimizer step between, checked against a reference."""
+    ``fsdp``: a pp x (world / pp) mesh with FSDP2 over the second dimension; otherwise the
+    first ``pp`` ranks (the others return None)."""
     rank = dist.get_rank()
-    mesh = dp_mesh = None
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
-        group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
-        pp_rank, dp_index, dp_size = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
+        group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+        kwargs.update(fsdp_mesh=mesh["dp"], dp_index=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size())
     else:
-        group = first_ranks_group(pp)
+        group, pp_rank = first_ranks_group(pp), rank
         if rank >= pp:
             return None
-        pp_rank, dp_index, dp_size = rank, 0, 1
     if defer_pp_recv:
-        schedule_kwargs["defer_pp_recv"] = True
-    reference, modules, sched = build_pipeline(
-        schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, scale_grads=scale_grads, **schedule_kwargs)
-    place = placement(schedule, pp, n)
-    params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=1e-2)
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    holds_loss = any(place.is_last(s) for s in modules)
-    result = {"grad_err": 0.0, "loss_err": 0.0, "losses_checked": 0}
-    try:
-        for step in range(steps):
-            x, y = batch(step, n, dp_index)
-            losses: list = []
-            if place.feeds_batch(pp_rank):
-                sched.step(x, target=y, losses=losses)
-            else:
-                sched.step()
-            want_losses = []
-            for d in range(dp_size):  # DP averages the gradient over replicas
-                xd, yd = batch(step, n, d)
-                dl = reference_step(reference, xd, yd, n, scale_grads)
-                want_losses = dl if d == dp_index else want_losses
-            if dp_size > 1:
-                for p in reference.parameters():
-                    p.grad /= dp_size
-            if holds_loss:
-                got = [l.item() for l in losses]
-                assert len(got) == n, f"expected {n} losses, got {len(got)}"
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want_losses), rtol=RTOL, atol=ATOL)
-                result["loss_err"] = max(result["loss_err"], max(abs(a - b) for a, b in zip(got, want_losses)))
-                result["losses_checked"] += n
-            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, f"step {step}"))
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        if place.bidirectional:
-            result["twin_parts"] = _check_twins(modules, place, pp_rank, group)
-    except AssertionError as err:
-        raise AssertionError(f"{err}\n{schedule} pp={pp} n={n}, rank {rank}; order:\n"
-                             f"{_format_pipeline_order(sched.pipeline_order)}") from None
-    return result
+        kwargs["defer_pp_recv"] = True
+    return train_and_compare(schedule, pp, n, group, pp_rank, factory=RUNTIMES[runtime](schedule), **kwargs)
 
 
 def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:

@@ -12,6 +12,7 @@ import sys
 
 COMMAND_MODULES = (
     "titan_dualpipe.orders.cli",  # csv
+    "titan_dualpipe.check.cli",  # check
     "titan_dualpipe.bench.cli",  # bench
     "titan_dualpipe.titan.launch",  # train
     "titan_dualpipe.sim.cli",  # simulate, draw
