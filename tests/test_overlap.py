@@ -172,12 +172,15 @@ def test_bad_input_raises_value_error(make, message):
     ({"layers": 3}, "--layers must be >= 4"),
     ({"experts": 5}, "--experts must be divisible by the expert-parallel size 2"),
     ({"bandwidth_gbps": 0.0}, "--bandwidth-gbps must be > 0"),
+    ({"pp": 3, "dualpipe": True, "microbatches": 6}, "--dualpipe needs an even --pp, got 3"),
+    ({"pp": 0}, "--pp must be >= 1"),
+    ({"device": "cuda", "pp": 64}, "--device cuda needs one GPU per process"),
 ])
 def test_bench_rejects_bad_settings_before_spawning(change, message):
     from titan_dualpipe.bench.overlap import measure
 
-    cfg = dict(rounds=1, steps=1, microbatches=8, layers=4, dim=16, seq=8, experts=4, comm_ratio=1.0,
-               latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
+    cfg = dict(pp=2, ep=2, device="cpu", rounds=1, steps=1, microbatches=8, layers=4, dim=16, seq=8, experts=4,
+               comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
     with pytest.raises(ValueError, match=re.escape(message)):
         measure({**cfg, **change})
 
