@@ -205,7 +205,6 @@ class _ProbeStage(nn.Module):
         self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        assert torch.is_grad_enabled(), "a stage forward in step() runs with gradients enabled"
         return self.b(_Exchange.apply(torch.tanh(self.a(h))))
 
 
