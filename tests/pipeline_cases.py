@@ -117,24 +117,36 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     return {"outputs_checked": checked}
 
 
-def bad_step_inputs(schedule: str, pp: int, n: int) -> str | None:
-    """The last-stage rank forgets target=: every rank must raise the same ValueError."""
+def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") -> str | None:
+    """A rank passes bad step() inputs: every rank must raise the same ValueError.
+
+    ``no_target``: the last-stage ranks forget target=; ``batch``: the batch (and target) is not
+    a multiple of n; ``halves``: DualPipe's rank pp-1 passes a smaller batch than rank 0;
+    ``mixed``: whole-batch inputs together with pre-split ones."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
         return None
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
-    x, _ = batch(0, n)
-    holds_input = any(sched.placement.is_first(s) for s in modules)
+    x, y = batch(0, n)
+    place = sched.placement
+    if mistake == "batch":
+        x, y = x[: len(x) - MB_SIZE - 1], y[: len(y) - MB_SIZE - 1]
+    elif mistake == "halves" and rank == pp - 1:
+        x, y = x[: len(x) // 2], y[: len(y) // 2]
+    kwargs = {} if mistake == "no_target" else {"target": y}
+    if mistake == "mixed" and rank == 0:
+        kwargs["arg_mbs"] = [(xm,) for xm in x.chunk(n)]
     try:
-        sched.step(x) if holds_input else sched.step()
+        sched.step(x, **kwargs) if place.feeds_batch(rank) else sched.step()
     except ValueError as err:
         return str(err)
-    raise AssertionError("step() without target= did not raise")
+    raise AssertionError(f"step() with mistake {mistake!r} did not raise")
 
 
-def bad_stage_list(schedule: str, pp: int, n: int, mistake: str) -> str | None:
-    """Constructor errors: raised on every rank before any collective."""
+def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int | None = None) -> str | None:
+    """Constructor errors: raised on every rank before any pipeline traffic (``only_rank``:
+    the mistake is made on that rank alone)."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
@@ -144,10 +156,14 @@ def bad_stage_list(schedule: str, pp: int, n: int, mistake: str) -> str | None:
     module = TinyLM(vocab=VOCAB, dim=16, layers=2, heads=2)
     ids = list(place.stages_of(rank))
     num_stages = place.num_stages
+    if only_rank is not None and rank != only_rank:
+        mistake = "none"
     if mistake == "one_stage":
         ids = ids[:1]
     elif mistake == "wrong_ids":
         ids = [rank, rank + pp] if pp > 1 else [0, 0]
+    elif mistake == "same_id_twice":
+        ids = [ids[1], ids[1]]
     elif mistake == "num_stages":
         num_stages = place.num_stages + 2
         ids = [rank, num_stages - 1 - rank]

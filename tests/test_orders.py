@@ -113,7 +113,8 @@ def test_invalid_order_is_reported_with_the_schedule():
 @pytest.mark.parametrize("schedule,pp,n,fix", [
     ("DualPipeV", 2, 3, "use at least 4 microbatches"),
     ("DualPipeV", 0, 4, "pipeline size >= 1"),
-    ("DualPipe", 3, 6, "even pipeline size, got pp_size=3"),
+    ("DualPipe", 3, 6, r"even pipeline size, got pp_size=3: use an even pp \(2 or 4\)"),
+    ("DualPipe", 1, 4, r"even pipeline size, got pp_size=1: use an even pp \(2\) or DualPipeV"),
     ("DualPipe", 2, 5, "even number of microbatches"),
     ("DualPipe", 4, 6, "n_microbatches=6 with pp_size=4"),
     ("ZeroBubble", 2, 4, "Unknown schedule 'ZeroBubble'"),

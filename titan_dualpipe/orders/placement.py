@@ -123,9 +123,10 @@ def check_requirements(schedule: str, pp_size: int, n_microbatches: int) -> str:
         raise ValueError(f"{name} needs n_microbatches >= 1, got {n_microbatches!r}.")
     if name == "DualPipe":
         if pp_size % 2:
+            even = f"{pp_size - 1} or {pp_size + 1}" if pp_size > 1 else "2"
             raise ValueError(
-                f"DualPipe needs an even pipeline size, got pp_size={pp_size}: use an even "
-                f"pp ({pp_size - 1 if pp_size > 1 else 2} or {pp_size + 1}) or DualPipeV, which takes any pp."
+                f"DualPipe needs an even pipeline size, got pp_size={pp_size}: use an even pp ({even}) or "
+                "DualPipeV, which takes any pp."
             )
         if n_microbatches % 2:
             raise ValueError(
