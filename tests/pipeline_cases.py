@@ -354,3 +354,35 @@ def steps_with_collectives_on_stage_device(schedule: str, pp: int, n: int, *, fs
         with torch.no_grad(), torch.device("meta"):
             sched.eval(x, target=y, losses=[]) if feeds else sched.eval()
     return {"collectives": len(recorder.events)}
+
+
+def killed_mid_step(schedule: str, pp: int, n: int, victim: int, group_timeout_s: float) -> dict | None:
+    """Pipeline rank ``victim`` is killed (SIGKILL) in its third forward of the first step;
+    the others report what they raised and after how long."""
+    import os
+    import signal
+    import time
+
+    from datetime import timedelta
+
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(pp)), timeout=timedelta(seconds=group_timeout_s))
+    if rank >= pp:
+        return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    forwards = [0]
+
+    def die_on_third_forward(module, args):
+        forwards[0] += 1
+        if rank == victim and forwards[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for module in modules.values():
+        module.register_forward_pre_hook(die_on_third_forward)
+    x, y = batch(0, n)
+    start = time.monotonic()
+    try:
+        sched.step(x, target=y, losses=[]) if sched.placement.feeds_batch(rank) else sched.step()
+    except Exception as err:  # noqa: BLE001 - the test inspects what each rank raised
+        return {"raised": f"{type(err).__name__}: {err}", "elapsed_s": time.monotonic() - start}
+    return {"raised": "", "elapsed_s": time.monotonic() - start}

@@ -132,3 +132,24 @@ def test_a_mistake_on_one_rank_raises_on_every_rank(pool, schedule):
 def test_bad_microbatch_counts(pool, schedule, n, expected):
     messages = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=n, mistake="none"))
     assert all(expected in m for m in messages), messages
+
+
+GROUP_TIMEOUT_S = 10
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 4, 8), ("DualPipe", 4, 8)])
+def test_a_killed_rank_is_named_by_every_other_rank(schedule, pp, n):
+    """Pipeline rank 1 is killed mid-step: its neighbours lose the connection at once, the
+    others wait at most the group timeout, and every one of them names rank 1."""
+    own = WorkerPool(WORLD, pg_timeout_s=GROUP_TIMEOUT_S)
+    try:
+        outcomes = own.outcomes(cases.killed_mid_step, timeout_s=GROUP_TIMEOUT_S + 90, schedule=schedule, pp=pp, n=n,
+                                victim=1, group_timeout_s=GROUP_TIMEOUT_S)
+    finally:
+        own.close(kill=True)
+    assert outcomes[1][0] is False and "died" in outcomes[1][1], outcomes[1]
+    for rank in (0, 2, 3):
+        ok, result = outcomes[rank]
+        assert ok and result["raised"].startswith("PeerFailed: "), (rank, result)
+        assert "pipeline rank 1 (global rank 1)" in result["raised"], (rank, result)
+        assert result["elapsed_s"] < GROUP_TIMEOUT_S + 15, (rank, result)

@@ -23,12 +23,14 @@ What each action does (stage ``s``, microbatch ``m``):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
 from .._compat import (
@@ -47,13 +49,17 @@ from .._compat import (
     W,
     _Action,
     _batch_p2p,
+    _format_pipeline_order,
+    _get_profiler_function_name,
     _PipelineContext,
     _wait_batch_p2p,
 )
+from .failures import PeerFailed, peer_failed, record
 from ..orders.placement import Placement
 from ..sim.timeline import TimedAction
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
+logger = logging.getLogger("titan_dualpipe")
 
 
 class StepExecutor:
@@ -68,8 +74,10 @@ class StepExecutor:
         target_mbs: list | None,
         loss_kwargs: dict | None,
         return_outputs: bool,
+        failure_scope: str = "",
     ) -> None:
         self.schedule = schedule
+        self.failure_scope = failure_scope
         self.place = place
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
         self.rank = schedule.rank
@@ -80,7 +88,7 @@ class StepExecutor:
         self.losses: dict[int, torch.Tensor] = {}
         self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
         self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
-        self.sends: list[list[dist.Work]] = []
+        self.sends: list[tuple[_Action, list[dist.Work]]] = []
         self.upcoming: list[_Action] = []  # the rest of the order, while run() executes it
         self.done_early: set[_Action] = set()  # communication posted ahead of its place
         self.backward_count: Counter[int] = Counter()
@@ -104,22 +112,62 @@ class StepExecutor:
 
     # -- driver ---------------------------------------------------------------------------
     def run(self, actions: list[_Action]) -> None:
+        """Run this rank's order; each action under torch's profiler name (``PP:<action>``). On an
+        exception: record it for the other ranks (:mod:`.failures`), log the order with the
+        failing action's row marked, re-raise."""
         self.upcoming = list(reversed(actions))  # popped from the end
-        while self.upcoming:
-            action = self.upcoming.pop()
-            if action in self.done_early:
-                self.done_early.remove(action)
-                continue
-            if not self.training and action.computation_type in BACKWARD_ONLY:
-                continue
-            custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
-            if custom is not None:
-                ctx = _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None)
-                custom(action, ctx)
-            else:
-                self._handlers[action.computation_type](action)
-        while self.sends:
-            _wait_batch_p2p(self.sends.pop())
+        action: _Action | None = None
+        try:
+            while self.upcoming:
+                action = self.upcoming.pop()
+                if action in self.done_early:
+                    self.done_early.remove(action)
+                    continue
+                if not self.training and action.computation_type in BACKWARD_ONLY:
+                    continue
+                with record_function(_get_profiler_function_name(action)):
+                    self._perform(action)
+            action = None
+            while self.sends:
+                send, works = self.sends.pop()
+                self._wait(works, send)
+        except BaseException as err:
+            self._report(err, actions, action)
+            raise
+
+    def _perform(self, action: _Action) -> None:
+        custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
+        if custom is not None:
+            custom(action, _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None))
+        else:
+            self._handlers[action.computation_type](action)
+
+    def _report(self, err: BaseException, actions: list[_Action], action: _Action | None) -> None:
+        where = f"at {action}" if action is not None else "waiting for its sends at the end of the step"
+        if not isinstance(err, PeerFailed):
+            root = err
+            while root.__cause__ is not None:  # torch wraps a stage's own error: name that one
+                root = root.__cause__
+            record(self.failure_scope, f"pipeline rank {self.rank} (global rank {dist.get_rank()}) raised "
+                                       f"{type(root).__name__} {where}: {_first_line(root)}")
+        row = actions.index(action) if action is not None else None
+        logger.error("pipeline rank %s failed %s (row %s of its order, marked):\n%s", self.rank, where, row,
+                     _format_pipeline_order(self.schedule.pipeline_order_with_comms, error_step_number=row))
+
+    def _wait(self, works: list[dist.Work], action: _Action) -> None:
+        """Wait for ``action``'s p2p ops; if its peer stopped, raise :class:`PeerFailed` naming it."""
+        try:
+            _wait_batch_p2p(works)
+        except RuntimeError as err:
+            stage = action.stage_index
+            kind = action.computation_type
+            peer_stage = self.place.next_stage(stage) if kind in (SEND_F, RECV_B, B, I) else self.place.prev_stage(stage)
+            peer = self.place.rank_of(peer_stage)
+            group = self.stages[stage].group
+            peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+            raise peer_failed(self.failure_scope,
+                              f"pipeline rank {self.rank} (global rank {dist.get_rank()}) lost pipeline rank {peer} "
+                              f"(global rank {peer_global}) at {action}: {_first_line(err)}") from err
 
     def timed(self, action: _Action, fn: Callable[[], None]) -> None:
         if self.timeline is None:
@@ -208,14 +256,16 @@ class StepExecutor:
         works = recvs.pop((s, mb), None)
         if works is None:
             raise RuntimeError(f"rank {self.rank}: {action} runs before its input was received")
-        _wait_batch_p2p(works)
+        self._wait(works, action)
 
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
-        self.sends.append(_batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index)))
+        works = _batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index))
+        self.sends.append((action, works))
 
     def send_backward(self, action: _Action) -> None:
-        self.sends.append(_batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index)))
+        works = _batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index))
+        self.sends.append((action, works))
 
     def post_send_early(self, send: _Action) -> None:
         """Post a forward send now, ahead of its place in the order (which then skips it).
@@ -267,6 +317,11 @@ class StepExecutor:
     def reduce_grad(self, action: _Action) -> None:
         scale = self.schedule._n_microbatches if self.schedule.scale_grads else 1
         self.stages[action.stage_index].perform_reduce_grad(scale)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _unshard_nested(stage: Any) -> None:

@@ -29,6 +29,7 @@ from ..overlap.pair import run_pair_overlapped
 from ..sim.timeline import TimedAction
 from .agreement import agree
 from .executor import StepExecutor, run_pair_sequentially
+from .failures import schedule_scope, step_scope
 from .twins import copy_to_twin, sum_twin_grads
 from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
 
@@ -92,6 +93,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             **schedule_kwargs(defer_pp_recv=defer_pp_recv),
         )
         self._defer_pp_recv = defer_pp_recv
+        self._failure_scope = schedule_scope(self._stages[0].group)
+        self._steps_run = 0
         place = self.placement
         self.stage_index_to_group_rank = {s: place.rank_of(s) for s in range(place.num_stages)}
         for stage in self._stages:
@@ -179,7 +182,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         first_target = target_mbs[0] if target_mbs is not None else None
         initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         self._before_first_step()
-        executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
+        scope = step_scope(self._failure_scope, self._steps_run)
+        self._steps_run += 1
+        executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs,
+                                failure_scope=scope)
         executor.run(self.pipeline_order_with_comms[self.rank])
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
