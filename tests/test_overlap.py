@@ -102,15 +102,15 @@ def _step(name: str, exchanges: int, log: list, seconds: float):
 
 
 def test_interleave_alternates_and_overlaps_waits():
+    """Each half's compute up to its next exchange (``F1``, ``B0``...) runs while the other
+    half's exchange is in flight: between its post and its wait. Alone, a step waits each
+    exchange before computing on."""
     log: list = []
-    start = time.perf_counter()
-    assert interleave(_step("F", 3, log, 0.1), _step("B", 2, log, 0.1)) == ("F", "B")
-    overlapped = time.perf_counter() - start
+    assert interleave(_step("F", 3, log, 0), _step("B", 2, log, 0)) == ("F", "B")
     assert log == ["F0", "B0", "waited F0", "F1", "waited B0", "B1", "waited F1", "F2", "waited B1", "waited F2"]
-    start = time.perf_counter()
-    run_to_completion(_step("F", 3, [], 0.1)), run_to_completion(_step("B", 2, [], 0.1))
-    sequential = time.perf_counter() - start
-    assert sequential >= 0.5 and overlapped < 0.8 * sequential, (overlapped, sequential)
+    alone: list = []
+    run_to_completion(_step("F", 3, alone, 0))
+    assert alone == ["F0", "waited F0", "F1", "waited F1", "F2", "waited F2"]
 
 
 def test_interleave_closes_the_other_half_when_one_raises():

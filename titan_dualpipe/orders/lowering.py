@@ -12,9 +12,6 @@ from collections import deque
 from typing import Iterable
 
 from .._compat import (
-    B,
-    F,
-    I,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -25,6 +22,7 @@ from .._compat import (
     _format_pipeline_order,
     _validate_schedule,
 )
+from .dataflow import input_source, output_destination, receive_for
 from .placement import Placement
 
 Order = dict[int, list[_Action]]
@@ -64,30 +62,21 @@ def validate_order(order: dict[int, list[_Action | None]], place: Placement) -> 
 
 
 def _input_ready(action: _Action, done: set[_Action], place: Placement) -> bool:
-    """Whether ``action``'s input (activation or output grad) is available on its rank."""
-    stage, mb = action.stage_index, action.microbatch_index
-    if action.computation_type == F:
-        prev = place.prev_stage(stage)
-        return prev is None or _Action(stage, RECV_F, mb) in done or _Action(prev, F, mb) in done
-    if action.computation_type in (I, B):
-        nxt = place.next_stage(stage)
-        return nxt is None or any(a in done for a in (
-            _Action(stage, RECV_B, mb), _Action(nxt, I, mb), _Action(nxt, B, mb)))
-    return True
+    """Whether ``action``'s input (activation or output grad) is available on its rank: its
+    receive was posted, or its same-rank source ran."""
+    source = input_source(action, place)
+    if source is None:
+        return True
+    mb = action.microbatch_index
+    return receive_for(action) in done or any(_Action(source.stage, k, mb) in done for k in source.kinds)
 
 
 def _comms_after(action: _Action, place: Placement) -> list[tuple[_Action, _Action, int]]:
     """(send on this rank, matching recv, receiving rank) for a cross-rank output."""
-    stage, mb = action.stage_index, action.microbatch_index
-    if action.computation_type == F:
-        peer, send, recv = place.next_stage(stage), SEND_F, RECV_F
-    elif action.computation_type in (I, B):
-        peer, send, recv = place.prev_stage(stage), SEND_B, RECV_B
-    else:
-        return []
-    if peer is None or place.rank_of(peer) == place.rank_of(stage):
+    dest = output_destination(action, place)
+    if dest is None or place.rank_of(dest.stage) == place.rank_of(action.stage_index):
         return []  # chain end, or same-rank neighbour: handed over in memory
-    return [(_Action(stage, send, mb), _Action(peer, recv, mb), place.rank_of(peer))]
+    return [(dest.send, dest.recv, place.rank_of(dest.stage))]
 
 
 def insert_send_recv(order: dict[int, list[_Action]], place: Placement) -> Order:
@@ -170,14 +159,8 @@ def _deferred(actions: list[_Action]) -> list[_Action]:
             out.extend(pending)
             pending.clear()
         else:
-            needed = {_consumed_recv(leaf) for leaf in leaf_actions(action)}
+            needed = {receive_for(leaf) for leaf in leaf_actions(action)}
             while needed & set(pending):  # up to the last receive this action consumes
                 out.append(pending.pop(0))
         out.append(action)
     return out + pending
-
-
-def _consumed_recv(action: _Action) -> _Action | None:
-    """The receive whose data ``action`` (F, I or B) consumes, if it crosses ranks."""
-    kind = {F: RECV_F, I: RECV_B, B: RECV_B}.get(action.computation_type)
-    return _Action(action.stage_index, kind, action.microbatch_index) if kind is not None else None

@@ -242,12 +242,11 @@ def planned_trace(lowered: dict[int, list], place, *, lone_ops_on_pairs: bool = 
     microbatch), so a receive matched to another message is reported.
     """
     from .._compat import RECV_B, RECV_F, SEND_B, SEND_F
+    from .dataflow import peer_stage
     from .lowering import leaf_actions
 
     def peer_of(action) -> int:
-        stage, kind = action.stage_index, action.computation_type
-        other = place.next_stage(stage) if kind in (SEND_F, RECV_B) else place.prev_stage(stage)
-        return place.rank_of(other)
+        return place.rank_of(peer_stage(action, place))
 
     def message(action) -> str:
         stage, kind, mb = action.stage_index, action.computation_type, action.microbatch_index

@@ -55,8 +55,9 @@ from .._compat import (
     _wait_batch_p2p,
 )
 from .failures import PeerFailed, peer_failed, record
+from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
-from ..sim.timeline import TimedAction
+from .timeline import TimedAction
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
 logger = logging.getLogger("titan_dualpipe")
@@ -159,11 +160,9 @@ class StepExecutor:
         try:
             _wait_batch_p2p(works)
         except RuntimeError as err:
-            stage = action.stage_index
-            kind = action.computation_type
-            peer_stage = self.place.next_stage(stage) if kind in (SEND_F, RECV_B, B, I) else self.place.prev_stage(stage)
-            peer = self.place.rank_of(peer_stage)
-            group = self.stages[stage].group
+            source = input_source(action, self.place)
+            peer = self.place.rank_of(source.stage if source is not None else peer_stage(action, self.place))
+            group = self.stages[action.stage_index].group
             peer_global = dist.get_global_rank(group, peer) if group is not None else peer
             raise peer_failed(self.failure_scope,
                               f"pipeline rank {self.rank} (global rank {dist.get_rank()}) lost pipeline rank {peer} "
@@ -205,9 +204,9 @@ class StepExecutor:
         )
         if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
             self.losses[mb] = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
-        nxt = self.place.next_stage(s)
-        if nxt in self.stages:
-            self.stages[nxt].set_local_fwd_input(output, mb)
+        dest = output_destination(action, self.place)
+        if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
+            self.stages[dest.stage].set_local_fwd_input(output, mb)
 
     def run_backward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -223,9 +222,9 @@ class StepExecutor:
         stage.backward_one_chunk(
             mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
         )
-        prev = self.place.prev_stage(s)
-        if prev in self.stages:
-            self.stages[prev].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+        dest = output_destination(action, self.place)
+        if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
+            self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
     def run_weight(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -245,14 +244,12 @@ class StepExecutor:
         return self.backward_count[stage_index] == self.place.microbatches_per_stage()
 
     def wait_input(self, action: _Action) -> None:
-        """Wait for the recv feeding ``action`` unless its producer is a chain end or on this rank."""
+        """Wait for the recv feeding ``action`` unless its source is a chain end or on this rank."""
         s, mb = action.stage_index, action.microbatch_index
-        if action.computation_type == F:
-            peer, recvs = self.place.prev_stage(s), self.fwd_recvs
-        else:
-            peer, recvs = self.place.next_stage(s), self.bwd_recvs
-        if peer is None or peer in self.stages:
+        source = input_source(action, self.place)
+        if source is None or source.stage in self.stages:
             return
+        recvs = self.fwd_recvs if action.computation_type == F else self.bwd_recvs
         works = recvs.pop((s, mb), None)
         if works is None:
             raise RuntimeError(f"rank {self.rank}: {action} runs before its input was received")
@@ -338,9 +335,3 @@ def _unshard_nested(stage: Any) -> None:
     for module in stage.submod.modules():
         if isinstance(module, FSDPModule):
             module.unshard()
-
-
-def run_pair_sequentially(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
-    """The pair without overlap: the forward, then the backward."""
-    executor.run_forward(forward)
-    executor.run_backward(backward)

@@ -25,15 +25,14 @@ from .._compat import (
 )
 from ..orders import compute_order, placement
 from ..orders.lowering import lower, validate_order
-from ..overlap.pair import run_pair_overlapped
-from ..sim.timeline import TimedAction
+from .timeline import TimedAction
 from .agreement import agree
-from .executor import StepExecutor, run_pair_sequentially
+from .executor import StepExecutor
 from .failures import schedule_scope, step_scope
+from .pairs import PairRunner, pair_runner
 from .twins import copy_to_twin, sum_twin_grads
 from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
 
-PairRunner = Callable[[StepExecutor, Any, Any], None]
 
 
 def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
@@ -104,7 +103,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
-        self.pair_runner: PairRunner = run_pair_overlapped if overlap else run_pair_sequentially
+        self.pair_runner: PairRunner = pair_runner(overlap)
         self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
