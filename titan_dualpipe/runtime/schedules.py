@@ -29,6 +29,7 @@ from .timeline import TimedAction
 from .agreement import agree
 from .executor import StepExecutor
 from .failures import schedule_scope, step_scope
+from .p2p import swap
 from .pairs import PairRunner, pair_runner
 from .twins import copy_to_twin, sum_twin_grads
 from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
@@ -295,10 +296,7 @@ class ScheduleDualPipe(_DualPipeFamily):
         own_mbs = sorted(mine)
         other_mbs = [mb for mb in range(self._n_microbatches) if mb not in mine]
         sent = torch.stack([mine[mb].detach() for mb in own_mbs])
-        received = torch.empty_like(sent)
-        ops = [dist.P2POp(dist.isend, sent, peer, self._group), dist.P2POp(dist.irecv, received, peer, self._group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        (received,) = swap([sent], [sent], peer, self._group)
         return {**mine, **dict(zip(other_mbs, received.unbind()))}
 
     def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .p2p import swap
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameters and grads), else the tensor itself."""
@@ -37,14 +39,10 @@ def _exchange(
     The peer calls this with the roles mirrored, so its ``send`` is laid out like our
     ``recv_like`` (same module part, same parameter order and dtypes).
     """
-    outgoing = [buf for _, buf in _packed(send)]
-    incoming = [(idx, torch.empty_like(buf)) for idx, buf in _packed(recv_like)]
-    ops = [dist.P2POp(dist.isend, buf, peer, group) for buf in outgoing]
-    ops += [dist.P2POp(dist.irecv, buf, peer, group) for _, buf in incoming]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    layout = _packed(recv_like)
+    buffers = swap([buf for _, buf in _packed(send)], [buf for _, buf in layout], peer, group)
     received: list[torch.Tensor] = list(recv_like)
-    for idx, buf in incoming:
+    for (idx, _), buf in zip(layout, buffers, strict=True):
         for i, chunk in zip(idx, buf.split([recv_like[i].numel() for i in idx])):
             received[i] = chunk.view_as(recv_like[i])
     return received
