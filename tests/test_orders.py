@@ -166,3 +166,9 @@ def test_cli_reports_bad_values(capsys):
 def test_ranks_that_pass_the_batch(schedule, pp, feeding):
     place = placement(schedule, pp, 2 * pp)
     assert [r for r in range(pp) if place.feeds_batch(r)] == feeding
+
+
+def test_an_order_for_another_schedule_names_the_one_it_fits():
+    """A DualPipeV order loaded for DualPipe: the error names the schedule and sizes it was made for."""
+    with pytest.raises(ValueError, match=r"This order is DualPipeV's for pp=2 and 8 microbatches: run it as DualPipeV"):
+        validate_order(compute_order("DualPipeV", 2, 8), placement("DualPipe", 2, 8))

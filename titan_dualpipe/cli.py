@@ -20,6 +20,15 @@ COMMAND_MODULES = (
 )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every sub-command's help: defaults shown (where there is one), descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-dualpipe", description="DualPipe / DualPipeV pipeline schedules for torch and torchtitan"

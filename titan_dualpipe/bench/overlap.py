@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..cli import HelpFormatter
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
 from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
 from .model import lm_loss
@@ -49,7 +50,7 @@ DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("overlap", help="MoE all-to-all overlap in DualPipeV pairs (default: 4 CPU processes, "
                                          "pp=2 x ep=2)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks per pipeline rank")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..cli import HelpFormatter
+
 MIN_STEPS_TOL = "rtol 1e-5, atol 4e-5"
 
 
@@ -120,7 +122,7 @@ def _worker(cases: list[Case], backend: str) -> list[dict[str, Any]]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("check", help="run the numerics suite on N local processes (GPUs or CPU)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--nproc", type=int, required=True, help="number of processes (with nccl: one GPU each)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="nccl (default when this machine has N GPUs) or gloo (CPU)")

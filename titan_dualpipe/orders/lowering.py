@@ -56,9 +56,22 @@ def validate_order(order: dict[int, list[_Action | None]], place: Placement) -> 
                         )
     except AssertionError as err:
         raise ValueError(
-            f"Invalid {place.schedule} order for pp={place.pp_size}, "
-            f"n_microbatches={place.n_microbatches}: {err}\n{_format_pipeline_order(order)}"
+            f"Invalid {place.schedule} order for pp={place.pp_size}, n_microbatches={place.n_microbatches}: "
+            f"{err}.{_what_it_fits(order, place)}\n{_format_pipeline_order(order)}"
         ) from None
+
+
+def _what_it_fits(order: dict[int, list[_Action | None]], place: Placement) -> str:
+    """Which schedule and sizes the order was made for, when it is one of ours, and the fix."""
+    from . import identify_order  # the package's order builders import this module
+
+    fits = identify_order(order)
+    if fits is None:
+        return ""
+    schedule, pp, n = fits
+    return (f" This order is {schedule}'s for pp={pp} and {n} microbatches: run it as {schedule} with those, or "
+            f"write one for this schedule with `titan-dualpipe csv --schedule {place.schedule} --pp {place.pp_size} "
+            f"--microbatches {place.n_microbatches} -o FILE`.")
 
 
 def _input_ready(action: _Action, done: set[_Action], place: Placement) -> bool:
