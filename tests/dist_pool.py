@@ -1,8 +1,9 @@
 """A pool of gloo worker processes, spawned once per test module.
 
 ``pool.run(fn, **kwargs)`` runs ``fn(**kwargs)`` on every rank and returns the per-rank
-results; an exception on any rank fails the call with every rank's traceback; a call that
-does not finish in time kills the pool (the next call starts a fresh one).
+results; an exception on any rank, a dead worker or a call that does not finish in time fails
+the call with every rank's story and kills the pool (the next call starts a fresh one).
+``pool.outcomes`` returns every rank's outcome instead, for cases that expect failures.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ class WorkerPool:
             p.start()
 
     def run(self, fn: Callable[..., Any], timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+        """``fn(**kwargs)`` on every rank; the per-rank results. Any failure (an exception, a dead
+        worker, the timeout) raises RemoteError with every rank's story and restarts the pool,
+        so the next case starts from fresh processes and process groups."""
+        outcomes = self.outcomes(fn, timeout_s=timeout_s, **kwargs)
+        failures = {r: v for r, (ok, v) in sorted(outcomes.items()) if not ok}
+        if failures:
+            self.close(kill=True)
+            raise RemoteError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items()))
+        return [outcomes[r][1] for r in range(self.world)]
+
+    def outcomes(self, fn: Callable[..., Any], timeout_s: float = 300.0, **kwargs: Any) -> dict[int, tuple[bool, Any]]:
+        """``{rank: (ok, result or traceback)}``; a worker that died gets ``(False, "died ...")``."""
         if not self._procs:
             self._start()
         for q in self._tasks:
@@ -77,16 +90,21 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         while len(outcomes) < self.world:
             try:
-                rank, ok, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, value = self._results.get(timeout=0.5)
+                outcomes[rank] = (ok, value)
+                continue
             except queue.Empty:
+                pass
+            for rank, proc in enumerate(self._procs):
+                if rank not in outcomes and not proc.is_alive():
+                    outcomes[rank] = (False, f"worker died (exit code {proc.exitcode})")
+            if time.monotonic() > deadline and len(outcomes) < self.world:
                 self.close(kill=True)
                 missing = sorted(set(range(self.world)) - set(outcomes))
-                raise RemoteError(f"{fn.__name__}{kwargs} timed out after {timeout_s}s on ranks {missing}") from None
-            outcomes[rank] = (ok, value)
-        failures = {r: v for r, (ok, v) in sorted(outcomes.items()) if not ok}
-        if failures:
-            raise RemoteError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items()))
-        return [outcomes[r][1] for r in range(self.world)]
+                raise RemoteError(f"{fn.__name__}{kwargs} timed out after {timeout_s}s on ranks {missing}")
+        if any(not ok for ok, _ in outcomes.values()):
+            self.close(kill=True)
+        return outcomes
 
     def close(self, kill: bool = False) -> None:
         if not self._procs:

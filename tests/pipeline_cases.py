@@ -11,38 +11,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from titan_dualpipe import ScheduleDualPipe, ScheduleDualPipeV, placement
-from titan_dualpipe._compat import _format_pipeline_order
+from titan_dualpipe import placement
 from titan_dualpipe.bench.model import TinyLM, lm_loss, split_model
-
-SCHEDULES = {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}
-RTOL, ATOL = 1e-5, 4e-5
-VOCAB, SEQ, MB_SIZE = 64, 8, 2
+from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test modules
+    ATOL, MB_SIZE, RTOL, SCHEDULES, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
+    train_and_compare,
+)
+from titan_dualpipe.check import numerics as _numerics
 
 
 @lru_cache(maxsize=None)
 def first_ranks_group(size: int) -> dist.ProcessGroup:
     """Group of world ranks 0..size-1 (created on every rank, in the same order)."""
     return dist.new_group(list(range(size)))
-
-
-def batch(step: int, n: int, dp_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + dp_index)
-    x = torch.randint(0, VOCAB, (n * MB_SIZE, SEQ), generator=g)
-    y = torch.randint(0, VOCAB, (n * MB_SIZE, SEQ), generator=g)
-    return x, y
-
-
-def reference_step(model: TinyLM, x: torch.Tensor, y: torch.Tensor, n: int, scale_grads: bool) -> list[float]:
-    """Per-microbatch losses; accumulates the gradient of their mean (or sum) into model."""
-    losses = [lm_loss(model(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))]
-    total = torch.stack(losses).sum()
-    (total / n if scale_grads else total).backward()
-    return [l.item() for l in losses]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _from_csv(cls, csv_format: str):
@@ -83,118 +64,31 @@ RUNTIMES = {
 }
 
 
-def build_pipeline(schedule: str, pp: int, n: int, group, pp_rank: int, *, perturb_twins: bool = True,
-                   fsdp_mesh=None, runtime: str = "ours", **schedule_kwargs):
-    """Reference model, this rank's two stage modules, and the schedule."""
-    torch.manual_seed(0)
-    place = placement(schedule, pp, n)
-    n_parts = place.num_stages if schedule == "DualPipeV" else pp
-    full = TinyLM(vocab=VOCAB, dim=16, layers=max(n_parts, 2), heads=2)
-    parts = split_model(full, n_parts)
-    modules = {s: copy.deepcopy(parts[place.model_part(s)]) for s in place.stages_of(pp_rank)}
-    if perturb_twins and place.bidirectional:  # the first step must make twins identical
-        with torch.no_grad():
-            for p in modules[place.stages_of(pp_rank)[1]].parameters():
-                p.add_(0.5)
-    if fsdp_mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for m in modules.values():
-            for layer in m.layers.values():
-                fully_shard(layer, mesh=fsdp_mesh)
-            fully_shard(m, mesh=fsdp_mesh)
-    stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=group)
-              for s in place.stages_of(pp_rank)]
-    sched = RUNTIMES[runtime](schedule)(stages, n, loss_fn=lm_loss, **schedule_kwargs)
-    return full, modules, sched
+def build_pipeline(schedule: str, pp: int, n: int, group, pp_rank: int, *, runtime: str = "ours", **kwargs):
+    """Reference model, this rank's two stage modules, and the schedule (built by ``runtime``)."""
+    return _numerics.build_pipeline(schedule, pp, n, group, pp_rank, factory=RUNTIMES[runtime](schedule), **kwargs)
 
 
-def _check_grads(modules, reference: TinyLM, label: str) -> float:
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for s, module in modules.items():
-        for name, p in module.named_parameters():
-            assert p.grad is not None, f"{label}: stage {s} {name} has no gradient"
-            got, want = _full(p.grad), ref[name].grad
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: stage {s} {name}: {m}")
-            worst = max(worst, (got - want).abs().max().item())
-    return worst
+def numerics(schedule: str, pp: int, n: int, *, defer_pp_recv: bool = False, fsdp: bool = False,
+             runtime: str = "ours", **kwargs) -> dict | None:
+    """Two training steps with an optimizer step between, checked against a reference.
 
-
-def _check_twins(modules, place, pp_rank: int, group) -> int:
-    """Gather both copies of every part across the pipeline and require bitwise equality."""
-    mine = {s: [_full(p).detach() for p in m.parameters()] for s, m in modules.items()}
-    everyone: list = [None] * place.pp_size
-    dist.all_gather_object(everyone, mine, group=group)
-    copies: dict[int, list] = {}
-    for stages in everyone:
-        for s, tensors in stages.items():
-            copies.setdefault(place.model_part(s), []).append(tensors)
-    for part, (a, b) in copies.items():
-        for x, y in zip(a, b, strict=True):
-            assert torch.equal(x, y), f"twins of part {part} differ by {(x - y).abs().max().item()}"
-    return len(copies)
-
-
-def numerics(schedule: str, pp: int, n: int, *, scale_grads: bool = True, defer_pp_recv: bool = False,
-             fsdp: bool = False, steps: int = 2, **schedule_kwargs) -> dict | None:
-    """Two training steps with an optimizer step between, checked against a reference."""
+    ``fsdp``: a pp x (world / pp) mesh with FSDP2 over the second dimension; otherwise the
+    first ``pp`` ranks (the others return None)."""
     rank = dist.get_rank()
-    mesh = dp_mesh = None
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
-        group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
-        pp_rank, dp_index, dp_size = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
+        group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+        kwargs.update(fsdp_mesh=mesh["dp"], dp_index=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size())
     else:
-        group = first_ranks_group(pp)
+        group, pp_rank = first_ranks_group(pp), rank
         if rank >= pp:
             return None
-        pp_rank, dp_index, dp_size = rank, 0, 1
     if defer_pp_recv:
-        schedule_kwargs["defer_pp_recv"] = True
-    reference, modules, sched = build_pipeline(
-        schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, scale_grads=scale_grads, **schedule_kwargs)
-    place = placement(schedule, pp, n)
-    params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=1e-2)
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    holds_loss = any(place.is_last(s) for s in modules)
-    result = {"grad_err": 0.0, "loss_err": 0.0, "losses_checked": 0}
-    try:
-        for step in range(steps):
-            x, y = batch(step, n, dp_index)
-            losses: list = []
-            if place.feeds_batch(pp_rank):
-                sched.step(x, target=y, losses=losses)
-            else:
-                sched.step()
-            want_losses = []
-            for d in range(dp_size):  # DP averages the gradient over replicas
-                xd, yd = batch(step, n, d)
-                dl = reference_step(reference, xd, yd, n, scale_grads)
-                want_losses = dl if d == dp_index else want_losses
-            if dp_size > 1:
-                for p in reference.parameters():
-                    p.grad /= dp_size
-            if holds_loss:
-                got = [l.item() for l in losses]
-                assert len(got) == n, f"expected {n} losses, got {len(got)}"
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want_losses), rtol=RTOL, atol=ATOL)
-                result["loss_err"] = max(result["loss_err"], max(abs(a - b) for a, b in zip(got, want_losses)))
-                result["losses_checked"] += n
-            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, f"step {step}"))
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        if place.bidirectional:
-            result["twin_parts"] = _check_twins(modules, place, pp_rank, group)
-    except AssertionError as err:
-        raise AssertionError(f"{err}\n{schedule} pp={pp} n={n}, rank {rank}; order:\n"
-                             f"{_format_pipeline_order(sched.pipeline_order)}") from None
-    return result
+        kwargs["defer_pp_recv"] = True
+    return train_and_compare(schedule, pp, n, group, pp_rank, factory=RUNTIMES[runtime](schedule), **kwargs)
 
 
 def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
@@ -223,24 +117,36 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     return {"outputs_checked": checked}
 
 
-def bad_step_inputs(schedule: str, pp: int, n: int) -> str | None:
-    """The last-stage rank forgets target=: every rank must raise the same ValueError."""
+def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") -> str | None:
+    """A rank passes bad step() inputs: every rank must raise the same ValueError.
+
+    ``no_target``: the last-stage ranks forget target=; ``batch``: the batch (and target) is not
+    a multiple of n; ``halves``: DualPipe's rank pp-1 passes a smaller batch than rank 0;
+    ``mixed``: whole-batch inputs together with pre-split ones."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
         return None
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
-    x, _ = batch(0, n)
-    holds_input = any(sched.placement.is_first(s) for s in modules)
+    x, y = batch(0, n)
+    place = sched.placement
+    if mistake == "batch":
+        x, y = x[: len(x) - MB_SIZE - 1], y[: len(y) - MB_SIZE - 1]
+    elif mistake == "halves" and rank == pp - 1:
+        x, y = x[: len(x) // 2], y[: len(y) // 2]
+    kwargs = {} if mistake == "no_target" else {"target": y}
+    if mistake == "mixed" and rank == 0:
+        kwargs["arg_mbs"] = [(xm,) for xm in x.chunk(n)]
     try:
-        sched.step(x) if holds_input else sched.step()
+        sched.step(x, **kwargs) if place.feeds_batch(rank) else sched.step()
     except ValueError as err:
         return str(err)
-    raise AssertionError("step() without target= did not raise")
+    raise AssertionError(f"step() with mistake {mistake!r} did not raise")
 
 
-def bad_stage_list(schedule: str, pp: int, n: int, mistake: str) -> str | None:
-    """Constructor errors: raised on every rank before any collective."""
+def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int | None = None) -> str | None:
+    """Constructor errors: raised on every rank before any pipeline traffic (``only_rank``:
+    the mistake is made on that rank alone)."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
@@ -250,10 +156,14 @@ def bad_stage_list(schedule: str, pp: int, n: int, mistake: str) -> str | None:
     module = TinyLM(vocab=VOCAB, dim=16, layers=2, heads=2)
     ids = list(place.stages_of(rank))
     num_stages = place.num_stages
+    if only_rank is not None and rank != only_rank:
+        mistake = "none"
     if mistake == "one_stage":
         ids = ids[:1]
     elif mistake == "wrong_ids":
         ids = [rank, rank + pp] if pp > 1 else [0, 0]
+    elif mistake == "same_id_twice":
+        ids = [ids[1], ids[1]]
     elif mistake == "num_stages":
         num_stages = place.num_stages + 2
         ids = [rank, num_stages - 1 - rank]
@@ -361,3 +271,118 @@ def compiled_stages_refused(schedule: str, pp: int, n: int) -> str | None:
     except ValueError as err:
         return str(err)
     raise AssertionError("stages with compiled blocks were accepted")
+
+
+def recorded_step_trace(schedule: str, pp: int, n: int, *, fsdp: bool = False, **schedule_kwargs) -> dict | None:
+    """Two training steps under a :class:`CommRecorder`: this rank's posted communication."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    rank = dist.get_rank()
+    dp_mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+        group, dp_mesh, pp_rank, dp_index = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    else:
+        group, pp_rank, dp_index = first_ranks_group(pp), rank, 0
+        if rank >= pp:
+            return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, **schedule_kwargs)
+    with CommRecorder() as recorder:
+        for step in range(2):
+            x, y = batch(step, n, dp_index)
+            sched.step(x, target=y, losses=[]) if sched.placement.feeds_batch(pp_rank) else sched.step()
+    return {"rank": rank, "events": recorder.events}
+
+
+def recorded_trace_of_hand_made_order(pp: int, n: int, move: str, after: str) -> dict | None:
+    """DualPipeV with one RECV moved after a SEND on rank 1 (``move`` after ``after``): gloo
+    runs it (it buffers sends); the recorded trace is returned for the NCCL model to judge."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, rank)
+    order = {r: list(actions) for r, actions in sched.pipeline_order_with_comms.items()}
+    moved = next(a for a in order[1] if str(a) == move)
+    order[1].remove(moved)
+    order[1].insert(order[1].index(next(a for a in order[1] if str(a) == after)) + 1, moved)
+    sched._prepare_schedule_with_comms(order, format="compute_comms")
+    x, y = batch(0, n)
+    with CommRecorder() as recorder:
+        sched.step(x, target=y, losses=[]) if rank == 0 else sched.step()
+    reference_step(reference, x, y, n, scale_grads=True)
+    _check_grads(modules, reference, "hand-made order")
+    return {"rank": rank, "events": recorder.events}
+
+
+def steps_with_collectives_on_stage_device(schedule: str, pp: int, n: int, *, fsdp: bool = False,
+                                           **schedule_kwargs) -> dict | None:
+    """Two training steps and an eval where factory functions default to ``meta`` (as a GPU
+    run's default is the CPU, not the stages' device) and every tensor handed to a collective
+    must be on the stages' device; then the numerics against the reference."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    rank = dist.get_rank()
+    dp_mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+        group, dp_mesh, pp_rank = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank()
+        if mesh["dp"].size() != 1:
+            raise ValueError("use pp == world size with fsdp here (one replica to compare with)")
+    else:
+        group, pp_rank = first_ranks_group(pp), rank
+        if rank >= pp:
+            return None
+    reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, **schedule_kwargs)
+    feeds = sched.placement.feeds_batch(pp_rank)
+    opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    with CommRecorder(device=torch.device("cpu")) as recorder:
+        for step in range(2):
+            x, y = batch(step, n)
+            with torch.device("meta"):
+                sched.step(x, target=y, losses=[]) if feeds else sched.step()
+            reference_step(reference, x, y, n, scale_grads=True)
+            _check_grads(modules, reference, f"step {step}")
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        with torch.no_grad(), torch.device("meta"):
+            sched.eval(x, target=y, losses=[]) if feeds else sched.eval()
+    return {"collectives": len(recorder.events)}
+
+
+def killed_mid_step(schedule: str, pp: int, n: int, victim: int, group_timeout_s: float) -> dict | None:
+    """Pipeline rank ``victim`` is killed (SIGKILL) in its third forward of the first step;
+    the others report what they raised and after how long."""
+    import os
+    import signal
+    import time
+
+    from datetime import timedelta
+
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(pp)), timeout=timedelta(seconds=group_timeout_s))
+    if rank >= pp:
+        return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    forwards = [0]
+
+    def die_on_third_forward(module, args):
+        forwards[0] += 1
+        if rank == victim and forwards[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for module in modules.values():
+        module.register_forward_pre_hook(die_on_third_forward)
+    x, y = batch(0, n)
+    start = time.monotonic()
+    try:
+        sched.step(x, target=y, losses=[]) if sched.placement.feeds_batch(rank) else sched.step()
+    except Exception as err:  # noqa: BLE001 - the test inspects what each rank raised
+        return {"raised": f"{type(err).__name__}: {err}", "elapsed_s": time.monotonic() - start}
+    return {"raised": "", "elapsed_s": time.monotonic() - start}

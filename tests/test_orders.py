@@ -113,7 +113,8 @@ def test_invalid_order_is_reported_with_the_schedule():
 @pytest.mark.parametrize("schedule,pp,n,fix", [
     ("DualPipeV", 2, 3, "use at least 4 microbatches"),
     ("DualPipeV", 0, 4, "pipeline size >= 1"),
-    ("DualPipe", 3, 6, "even pipeline size, got pp_size=3"),
+    ("DualPipe", 3, 6, r"even pipeline size, got pp_size=3: use an even pp \(2 or 4\)"),
+    ("DualPipe", 1, 4, r"even pipeline size, got pp_size=1: use an even pp \(2\) or DualPipeV"),
     ("DualPipe", 2, 5, "even number of microbatches"),
     ("DualPipe", 4, 6, "n_microbatches=6 with pp_size=4"),
     ("ZeroBubble", 2, 4, "Unknown schedule 'ZeroBubble'"),
@@ -165,3 +166,9 @@ def test_cli_reports_bad_values(capsys):
 def test_ranks_that_pass_the_batch(schedule, pp, feeding):
     place = placement(schedule, pp, 2 * pp)
     assert [r for r in range(pp) if place.feeds_batch(r)] == feeding
+
+
+def test_an_order_for_another_schedule_names_the_one_it_fits():
+    """A DualPipeV order loaded for DualPipe: the error names the schedule and sizes it was made for."""
+    with pytest.raises(ValueError, match=r"This order is DualPipeV's for pp=2 and 8 microbatches: run it as DualPipeV"):
+        validate_order(compute_order("DualPipeV", 2, 8), placement("DualPipe", 2, 8))

@@ -102,15 +102,15 @@ def _step(name: str, exchanges: int, log: list, seconds: float):
 
 
 def test_interleave_alternates_and_overlaps_waits():
+    """Each half's compute up to its next exchange (``F1``, ``B0``...) runs while the other
+    half's exchange is in flight: between its post and its wait. Alone, a step waits each
+    exchange before computing on."""
     log: list = []
-    start = time.perf_counter()
-    assert interleave(_step("F", 3, log, 0.1), _step("B", 2, log, 0.1)) == ("F", "B")
-    overlapped = time.perf_counter() - start
+    assert interleave(_step("F", 3, log, 0), _step("B", 2, log, 0)) == ("F", "B")
     assert log == ["F0", "B0", "waited F0", "F1", "waited B0", "B1", "waited F1", "F2", "waited B1", "waited F2"]
-    start = time.perf_counter()
-    run_to_completion(_step("F", 3, [], 0.1)), run_to_completion(_step("B", 2, [], 0.1))
-    sequential = time.perf_counter() - start
-    assert sequential >= 0.5 and overlapped < 0.8 * sequential, (overlapped, sequential)
+    alone: list = []
+    run_to_completion(_step("F", 3, alone, 0))
+    assert alone == ["F0", "waited F0", "F1", "waited F1", "F2", "waited F2"]
 
 
 def test_interleave_closes_the_other_half_when_one_raises():
@@ -172,12 +172,15 @@ def test_bad_input_raises_value_error(make, message):
     ({"layers": 3}, "--layers must be >= 4"),
     ({"experts": 5}, "--experts must be divisible by the expert-parallel size 2"),
     ({"bandwidth_gbps": 0.0}, "--bandwidth-gbps must be > 0"),
+    ({"pp": 3, "dualpipe": True, "microbatches": 6}, "--dualpipe needs an even --pp, got 3"),
+    ({"pp": 0}, "--pp must be >= 1"),
+    ({"device": "cuda", "pp": 64}, "--device cuda needs one GPU per process"),
 ])
 def test_bench_rejects_bad_settings_before_spawning(change, message):
     from titan_dualpipe.bench.overlap import measure
 
-    cfg = dict(rounds=1, steps=1, microbatches=8, layers=4, dim=16, seq=8, experts=4, comm_ratio=1.0,
-               latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
+    cfg = dict(pp=2, ep=2, device="cpu", rounds=1, steps=1, microbatches=8, layers=4, dim=16, seq=8, experts=4,
+               comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
     with pytest.raises(ValueError, match=re.escape(message)):
         measure({**cfg, **change})
 
@@ -259,10 +262,20 @@ def test_failure_in_a_relayed_pair_surfaces_on_every_rank():
     assert all(r["raised"] for r in results), results
     assert any(line.startswith("InjectedFailure: injected failure in the backward half of a pair on rank 0")
                for line in results[0]["chain"]), results[0]
+    _others_stop_and_rank_2_names_rank_0(results)
+
+
+def _others_stop_and_rank_2_names_rank_0(results: list[dict]) -> None:
+    """Every other rank stops within the group timeout with an error of its own; rank 0's
+    pipeline peer (rank 2; pp groups {0, 2} and {1, 3}) names rank 0 and what it raised."""
     assert results[0]["elapsed_s"] < cases.GROUP_TIMEOUT_S / 2
     for r in results[1:]:
         assert r["elapsed_s"] < cases.GROUP_TIMEOUT_S + 15, r
-        assert not any("InjectedFailure" in line for line in r["chain"])
+        assert not r["chain"][0].startswith("InjectedFailure"), r
+    assert results[2]["chain"][0].startswith("PeerFailed: pipeline rank 1 (global rank 2) lost pipeline rank 0 "
+                                             "(global rank 0)"), results[2]
+    assert "First failure in the pipeline: pipeline rank 0 (global rank 0) raised InjectedFailure" \
+        in results[2]["chain"][0], results[2]
 
 
 def test_failure_in_a_pair_surfaces_on_every_rank(pool):
@@ -271,7 +284,4 @@ def test_failure_in_a_pair_surfaces_on_every_rank(pool):
     results = pool.run(cases.failure_in_pair, timeout_s=cases.GROUP_TIMEOUT_S + 60)
     assert all(r["raised"] for r in results), results
     assert results[0]["chain"][0] == "InjectedFailure: injected failure in the forward half of a pair on rank 0"
-    assert results[0]["elapsed_s"] < cases.GROUP_TIMEOUT_S / 2
-    for r in results[1:]:
-        assert r["elapsed_s"] < cases.GROUP_TIMEOUT_S + 15, r
-        assert not any("InjectedFailure" in line for line in r["chain"])
+    _others_stop_and_rank_2_names_rank_0(results)

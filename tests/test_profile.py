@@ -14,7 +14,7 @@ def _event(action: _Action, seconds: float, start: float = 0.0) -> TimedAction:
     return TimedAction(0, action, start, start + seconds)
 
 
-def test_costs_are_medians_per_kind_and_skip_first_stage_split_backwards():
+def test_costs_are_medians_per_kind_and_first_stage_weight_parts_count_as_full_backwards():
     place = placement("DualPipeV", 2, 4)
     pair = _Action(-1, OVERLAP_F_B, None, (_Action(1, F, 2), _Action(2, B, 0)))
     timeline = [
@@ -25,7 +25,18 @@ def test_costs_are_medians_per_kind_and_skip_first_stage_split_backwards():
         _event(pair, 5.0),
     ]
     costs = costs_from(timeline, place)
-    assert (costs.F, costs.B, costs.W, costs.overlapped) == (2.0, 4.0, 2.5, 5.0)
+    assert (costs.F, costs.B, costs.W, costs.overlapped) == (2.0, 6.5, 2.5, 5.0)  # B: median of 4.0 and 9.0
+
+
+def test_weight_share_comes_from_split_samples_when_only_first_stages_split():
+    """DualPipe at pp=2 splits backwards on chain-first stages only: W is the sampled weight
+    share of the measured full backward, not 0."""
+    place = placement("DualPipe", 2, 4)
+    timeline = [_event(_Action(1, F, 0), 1.0), _event(_Action(1, B, 0), 3.0),
+                _event(_Action(0, I, 1), 0.0), _event(_Action(0, W, 1), 3.0)]
+    costs = costs_from(timeline, place, split_samples=[(1.0, 2.0), (2.0, 2.0)])
+    assert costs.B == 3.0 and costs.W == pytest.approx(3.0 * (2 / 3 + 1 / 2) / 2)
+    assert costs_from(timeline, place).W == 0.0  # nothing to measure it from
 
 
 def test_backward_derived_from_split_parts_when_no_full_backward_ran():
@@ -47,6 +58,7 @@ def test_profile_command_measures_a_real_run(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["measured_step_s"] > 0 and result["simulated_step_s"] > 0
     assert result["costs_s"]["F"] > 0 and result["costs_s"]["FB"] > 0
+    assert 0 < result["costs_s"]["W"] < result["costs_s"]["B"]  # measured although only first stages split
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == {0, 1}
     assert sum(e["name"].count("&") for e in events) >= 1  # overlapped pairs were recorded

@@ -90,11 +90,18 @@ def test_eval_forward_only(pool, schedule, pp, n):
     assert sum(r["outputs_checked"] for r in ran) == n
 
 
-@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 4, 8)])
-def test_missing_target_raises_on_every_rank(pool, schedule, pp, n):
-    messages = _ran(pool.run(cases.bad_step_inputs, schedule=schedule, pp=pp, n=n))
-    assert len(messages) == pp
-    assert all("pass target=" in m for m in messages)
+@pytest.mark.parametrize("schedule,pp,n,mistake,expected", [
+    ("DualPipeV", 2, 4, "no_target", ["pass target="]),
+    ("DualPipe", 4, 8, "no_target", ["pass target="]),
+    ("DualPipeV", 2, 8, "batch", ["the batch has 13 samples", "not a multiple of n_microbatches=8", "e.g. 8"]),
+    ("DualPipe", 2, 6, "batch", ["the batch has 9 samples", "n_microbatches=6"]),
+    ("DualPipe", 4, 8, "halves", ["rank 0: 16 samples, rank 3: 8 samples", "same batch on ranks 0 and pp-1"]),
+    ("DualPipeV", 2, 4, "mixed", ["whole-batch inputs together with arg_mbs"]),
+])
+def test_bad_step_inputs_raise_on_every_rank(pool, schedule, pp, n, mistake, expected):
+    messages = _ran(pool.run(cases.bad_step_inputs, timeout_s=60, schedule=schedule, pp=pp, n=n, mistake=mistake))
+    assert len(messages) == pp and len(set(messages)) == 1, messages
+    assert all(e in messages[0] for e in expected), messages[0]
 
 
 @pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
@@ -104,8 +111,17 @@ def test_missing_target_raises_on_every_rank(pool, schedule, pp, n):
     ("num_stages", "num_stages=4"),
 ])
 def test_bad_stage_lists(pool, schedule, mistake, expected):
-    messages = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=4, mistake=mistake))
+    messages = _ran(pool.run(cases.bad_stage_list, timeout_s=60, schedule=schedule, pp=2, n=4, mistake=mistake))
     assert all(expected in m for m in messages), messages
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
+def test_a_mistake_on_one_rank_raises_on_every_rank(pool, schedule):
+    """Rank 1 alone passes stage ids [2, 2]: ranks 0, 2 and 3 raise the same error, naming the ids as passed."""
+    messages = _ran(pool.run(cases.bad_stage_list, timeout_s=60, schedule=schedule, pp=4, n=8,
+                             mistake="same_id_twice", only_rank=1))
+    assert len(messages) == 4 and len(set(messages)) == 1, messages
+    assert "rank 1 of 4 needs stages [1, 6]" in messages[0] and "got stage ids [6, 6]" in messages[0]
 
 
 @pytest.mark.parametrize("schedule,n,expected", [
@@ -116,3 +132,24 @@ def test_bad_stage_lists(pool, schedule, mistake, expected):
 def test_bad_microbatch_counts(pool, schedule, n, expected):
     messages = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=n, mistake="none"))
     assert all(expected in m for m in messages), messages
+
+
+GROUP_TIMEOUT_S = 10
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 4, 8), ("DualPipe", 4, 8)])
+def test_a_killed_rank_is_named_by_every_other_rank(schedule, pp, n):
+    """Pipeline rank 1 is killed mid-step: its neighbours lose the connection at once, the
+    others wait at most the group timeout, and every one of them names rank 1."""
+    own = WorkerPool(WORLD, pg_timeout_s=GROUP_TIMEOUT_S)
+    try:
+        outcomes = own.outcomes(cases.killed_mid_step, timeout_s=GROUP_TIMEOUT_S + 90, schedule=schedule, pp=pp, n=n,
+                                victim=1, group_timeout_s=GROUP_TIMEOUT_S)
+    finally:
+        own.close(kill=True)
+    assert outcomes[1][0] is False and "died" in outcomes[1][1], outcomes[1]
+    for rank in (0, 2, 3):
+        ok, result = outcomes[rank]
+        assert ok and result["raised"].startswith("PeerFailed: "), (rank, result)
+        assert "pipeline rank 1 (global rank 1)" in result["raised"], (rank, result)
+        assert result["elapsed_s"] < GROUP_TIMEOUT_S + 15, (rank, result)

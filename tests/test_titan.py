@@ -412,6 +412,51 @@ def test_train_configs_load_and_validate(name: str) -> None:
         assert dataset == DATASET_NAME and Path(tokenizer).resolve() == TOKENIZER_DIR
 
 
+GPU_CONFIGS = {  # config -> the world it is written for (the README's launch commands)
+    "llama3_8b_dualpipev": {"world": 8, "pp": 4, "dp_shard": 2, "ep": 1, "stages": 8},
+    "deepseek_v3_16b_dualpipe": {"world": 16, "pp": 4, "dp_shard": 4, "ep": 4, "stages": 8},
+}
+
+
+def _parallel_dims_and_experts(job, world: int) -> tuple:
+    """torchtitan's parallel dims of ``job`` on ``world`` processes, and the model's expert count (or None)."""
+    from torchtitan.distributed import ParallelDims
+
+    par = job.parallelism
+    if REGISTRY:
+        from torchtitan.models.common.moe import GroupedExperts
+
+        experts = [cfg.num_experts for _, cfg, _, _ in job.model_spec.model.traverse(GroupedExperts.Config)]
+        return ParallelDims.from_config(par, world), (experts[0] if experts else None)
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    dims = ParallelDims(dp_shard=par.data_parallel_shard_degree, dp_replicate=par.data_parallel_replicate_degree,
+                        cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                        ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree, world_size=world)
+    moe = getattr(get_train_spec(job.model.name).model_args[job.model.flavor], "moe_args", None)
+    return dims, (moe.num_experts if moe is not None else None)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_configs_fit_the_world_they_declare(name: str) -> None:
+    """The GPU starting points, through torchtitan's parser, its parallel-dims validation for
+    their world size, the model flavour's layers and experts, and our config checks."""
+    import titan_dualpipe.titan as adapter
+
+    expected = GPU_CONFIGS[name]
+    job = _job_config(name)
+    dims, experts = _parallel_dims_and_experts(job, expected["world"])
+    assert (dims.pp, dims.dp_shard, dims.ep) == (expected["pp"], expected["dp_shard"], expected["ep"])
+    plan = adapter.check_job_config(job, adapter.GEN.n_layers(job))
+    assert plan is not None and 2 * plan.pp == expected["stages"] and plan.n_microbatches >= 2 * plan.pp
+    if dims.ep > 1:
+        assert experts is not None and experts % dims.ep == 0
+        assert (dims.dp_shard * dims.cp) % dims.ep == 0, "torchtitan shards experts inside the FSDP x CP group"
+    assert not (job.compile.enable and "model" in job.compile.components)
+    ac = job.activation_checkpoint
+    assert ac is not None if REGISTRY else ac.mode in ("selective", "full")
+
+
 @pytest.mark.parametrize(
     "overrides, keys",
     [

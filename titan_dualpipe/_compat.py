@@ -38,6 +38,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tens
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     _Action,
+    _get_profiler_function_name,
     _ComputationType,
     _PipelineContext,
     _PipelineScheduleRuntime,
@@ -170,6 +171,11 @@ def runnable_on_gloo(schedule: PipelineScheduleMulti) -> PipelineScheduleMulti:
     return schedule
 
 
+def default_store() -> dist.Store:
+    """The default process group's key-value store."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def split_target(target: torch.Tensor, n_microbatches: int) -> list[torch.Tensor]:
     """torch's split of a whole-batch target into microbatches (dim 0)."""
     return list(_split_tensor(target, TensorChunkSpec(0), n_microbatches))
@@ -289,10 +295,12 @@ __all__ = [
     "_add_unshard_reshard",
     "_batch_p2p",
     "_format_pipeline_order",
+    "_get_profiler_function_name",
     "_validate_schedule",
     "_wait_batch_p2p",
     "agreed_inference_mode",
     "check_torch_version",
+    "default_store",
     "get_schedule_class",
     "initialize_stages",
     "input_grads",

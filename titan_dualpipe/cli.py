@@ -12,11 +12,21 @@ import sys
 
 COMMAND_MODULES = (
     "titan_dualpipe.orders.cli",  # csv
+    "titan_dualpipe.check.cli",  # check
     "titan_dualpipe.bench.cli",  # bench
     "titan_dualpipe.launch",  # train (torchtitan is imported only when it runs)
     "titan_dualpipe.sim.cli",  # simulate, draw
     "titan_dualpipe.sim.profile",  # profile
 )
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every sub-command's help: defaults shown (where there is one), descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,25 +1,29 @@
 """``titan-dualpipe bench overlap``: what overlapping MoE all-to-all in DualPipeV pairs saves.
 
-Four CPU processes form pp=2 x ep=2 (rank ``r``: pipeline rank ``r // 2``, expert-parallel
-index ``r % 2``); each pipeline trains :class:`~titan_dualpipe.overlap.moe.MoETransformer`
-on its own data, each pipeline rank's two processes split the experts. Every all-to-all
-pays an emulated network cost (sleep, no CPU). Unless set with ``--latency-ms`` /
+``--pp P --ep E`` processes (default 2 x 2; rank ``r``: pipeline rank ``r // E``,
+expert-parallel index ``r % E``); each pipeline trains
+:class:`~titan_dualpipe.overlap.moe.MoETransformer` on its own data, each pipeline rank's
+E processes split the experts. Every all-to-all pays an emulated network cost: on the CPU a
+sleep (no CPU), with ``--device cuda`` a sleep kernel on a side stream of the GPU (one GPU
+per process, NCCL), which the compute stream waits for only at the exchange's wait; with
+``--ep 1`` nothing is exchanged but the time still passes. Unless set with ``--latency-ms`` /
 ``--bandwidth-gbps``, the cost is calibrated: all ranks time one block's forward and
 backward (while all of them compute, so CPU contention is included), and the cost of one
 exchange is set to ``--comm-ratio`` times a quarter of that, i.e. a block's four exchanges
 cost ``comm-ratio`` times its compute (half latency, half bandwidth). The default, 1, is
-DeepSeek-V3's compute:communication ratio. On a 2-core machine the four single-threaded
-processes share two cores while they compute, and at 1:1 that contention, not the
-exchanges, bounds the overlapped step time; ``--comm-ratio 4`` lets communication dominate.
+DeepSeek-V3's compute:communication ratio. When more single-threaded processes than cores
+compute at once (4 on a 2-core machine), contention, not the exchanges, bounds the
+overlapped step time; ``--pp 1 --ep 2`` there (or a GPU) measures the overlap itself.
 
 Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` (the
 module's protocol; and, unless ``--no-relay``, the module without it, run as a relay) and
 ``overlap=False``, torch's ScheduleDualPipeV and ScheduleZBVZeroBubble (and, with
 ``--dualpipe``, our ScheduleDualPipe both ways). Rounds are paired: each round times a few
 steps of every schedule in a rotated order; medians over rounds are reported. Exposed
-communication is the time spent blocked in all-to-all waits, per step, averaged over ranks.
-The CPU bound is all processes' CPU seconds per step over the usable cores: no schedule
-finishes a step sooner on this machine.
+communication is the time spent blocked in all-to-all waits (on a GPU: the compute stream's
+stall, from CUDA events), per step, averaged over ranks. The CPU bound is all processes' CPU
+seconds per step over the usable cores: no schedule finishes a step sooner on this machine
+(CPU runs only).
 """
 
 from __future__ import annotations
@@ -34,26 +38,32 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..cli import HelpFormatter
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
 from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
 from .model import lm_loss
 from .spawn import run_on_processes
 
-PP, EP = 2, 2
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("overlap", help="MoE all-to-all overlap in DualPipeV pairs (4 CPU processes, pp=2 x ep=2)")
-    p.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per schedule per round (default 1)")
-    p.add_argument("--microbatches", type=int, default=24, help="per step, >= 4 (default 24)")
-    p.add_argument("--layers", type=int, default=4, help="MoE blocks, split over 4 stages (default 4)")
+    p = kinds.add_parser("overlap", help="MoE all-to-all overlap in DualPipeV pairs (default: 4 CPU processes, "
+                                         "pp=2 x ep=2)",
+                         formatter_class=HelpFormatter)
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks per pipeline rank")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo processes; cuda: NCCL, one GPU per process (--pp 1 --ep 1 on one GPU)")
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per schedule per round")
+    p.add_argument("--microbatches", type=int, default=24, help="per step, >= 2 * pp")
+    p.add_argument("--layers", type=int, default=4, help="MoE blocks, split over 2 * pp stages")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--comm-ratio", type=float, default=1.0,
-                   help="calibrated cost of a block's four exchanges / its compute (default 1.0)")
+                   help="calibrated cost of a block's four exchanges / its compute")
     p.add_argument("--latency-ms", type=float, default=None, help="fixed latency per all-to-all (skips calibration)")
     p.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="fixed bandwidth in GB/s (1e9 bytes/s) per all-to-all (skips calibration)")
@@ -65,21 +75,30 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def _check(cfg: dict) -> None:
-    if cfg["microbatches"] < 2 * PP or (cfg["dualpipe"] and cfg["microbatches"] % 2):
-        raise ValueError(f"--microbatches must be >= {2 * PP} (and even with --dualpipe), got {cfg['microbatches']}")
-    if cfg["layers"] < 2 * PP:
-        raise ValueError(f"--layers must be >= {2 * PP} (one block per stage at least), got {cfg['layers']}")
-    for name in ("rounds", "steps", "dim", "seq", "experts"):
-        if cfg[name] < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {cfg[name]}")
-    if cfg["experts"] % EP:
-        raise ValueError(f"--experts must be divisible by the expert-parallel size {EP}, got {cfg['experts']}")
+    pp, ep = cfg["pp"], cfg["ep"]
+    if cfg["device"] == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if pp * ep > gpus:
+            raise ValueError(f"--device cuda needs one GPU per process: --pp {pp} x --ep {ep} = {pp * ep} processes, "
+                             f"{gpus} GPUs here; on one GPU use --pp 1 --ep 1")
     if cfg["comm_ratio"] < 0:
         raise ValueError(f"--comm-ratio must be >= 0, got {cfg['comm_ratio']}")
     if cfg["latency_ms"] is not None and cfg["latency_ms"] < 0:
         raise ValueError(f"--latency-ms must be >= 0, got {cfg['latency_ms']}")
     if cfg["bandwidth_gbps"] is not None and cfg["bandwidth_gbps"] <= 0:
         raise ValueError(f"--bandwidth-gbps must be > 0, got {cfg['bandwidth_gbps']}")
+    for name in ("pp", "ep", "rounds", "steps", "dim", "seq", "experts"):
+        if cfg[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {cfg[name]}")
+    if cfg["microbatches"] < 2 * pp or (cfg["dualpipe"] and cfg["microbatches"] % 2):
+        raise ValueError(f"--microbatches must be >= {2 * pp} (2 * pp; and even with --dualpipe), "
+                         f"got {cfg['microbatches']}")
+    if cfg["dualpipe"] and pp % 2:
+        raise ValueError(f"--dualpipe needs an even --pp, got {pp}")
+    if cfg["layers"] < 2 * pp:
+        raise ValueError(f"--layers must be >= {2 * pp} (one block per stage at least), got {cfg['layers']}")
+    if cfg["experts"] % ep:
+        raise ValueError(f"--experts must be divisible by the expert-parallel size {ep}, got {cfg['experts']}")
 
 
 # -- per rank -----------------------------------------------------------------------------------
@@ -88,25 +107,39 @@ def _model_args(cfg: dict) -> MoEArgs:
                    top_k=2, moe_inter_dim=2 * cfg["dim"], capacity_factor=1.25)
 
 
-def _groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+def _groups(pp: int, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, int, int]:
+    """This rank's pipeline group, expert-parallel group (None for one rank) and indices."""
     rank = dist.get_rank()
-    ep_groups = [dist.new_group([p * EP + e for e in range(EP)]) for p in range(PP)]
-    pp_groups = [dist.new_group([p * EP + e for p in range(PP)]) for e in range(EP)]
-    pp_rank, ep_index = divmod(rank, EP)
-    return pp_groups[ep_index], ep_groups[pp_rank], pp_rank, ep_index
+    ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(pp)]
+    pp_groups = [dist.new_group([p * ep + e for p in range(pp)]) for e in range(ep)]
+    pp_rank, ep_index = divmod(rank, ep)
+    return pp_groups[ep_index], ep_groups[pp_rank] if ep > 1 else None, pp_rank, ep_index
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _block_seconds(cfg: dict, comm: ExpertParallelComm) -> float:
     """Median forward + backward time of one block on one microbatch, exchanges free."""
     torch.manual_seed(0)
+    device = _device()
     block = MoETransformer(_model_args(cfg)).layers["0"]
     expert_parallel(block, comm)
-    h = torch.randn(2, cfg["seq"], cfg["dim"], requires_grad=True)
+    block.to(device)
+    h = torch.randn(2, cfg["seq"], cfg["dim"], device=device, requires_grad=True)
     times = []
     for _ in range(12):
         dist.barrier()
+        _sync(device)
         start = time.perf_counter()
         block(h).sum().backward()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
 
@@ -115,7 +148,7 @@ def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict
     args = _model_args(cfg)
     tokens = 2 * cfg["seq"]
     exchange_bytes = args.num_experts * args.capacity(tokens) * args.dim * 4  # fp32 dispatch buffer
-    remote_bytes = exchange_bytes * (EP - 1) // EP
+    remote_bytes = exchange_bytes * (cfg["ep"] - 1) // cfg["ep"]
     if cfg["latency_ms"] is not None or cfg["bandwidth_gbps"] is not None:
         latency = (cfg["latency_ms"] or 0.0) / 1e3
         bandwidth = cfg["bandwidth_gbps"] * 1e9 if cfg["bandwidth_gbps"] else float("inf")
@@ -125,7 +158,10 @@ def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict
         dist.all_gather_object(samples, _block_seconds(cfg, comm))
         block_s = statistics.median(samples)
         per_exchange = cfg["comm_ratio"] * block_s / 4
-        latency, bandwidth = per_exchange / 2, remote_bytes / (per_exchange / 2) if per_exchange else float("inf")
+        if remote_bytes and per_exchange:  # half latency, half bandwidth
+            latency, bandwidth = per_exchange / 2, remote_bytes / (per_exchange / 2)
+        else:  # one expert-parallel rank: nothing crosses a network, the time still passes
+            latency, bandwidth = per_exchange, float("inf")
     net = EmulatedNetwork(latency, bandwidth)
     settings = {"latency_ms": latency * 1e3, "bandwidth_gbps": bandwidth / 1e9, "exchange_remote_bytes": remote_bytes,
                 "exchange_ms": net.seconds(remote_bytes) * 1e3,
@@ -149,17 +185,18 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
     from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
     from .._compat import runnable_on_gloo
 
+    pp, device = cfg["pp"], _device()
     torch.manual_seed(0)
     model = MoETransformer(_model_args(cfg))
-    n, v_ids = cfg["microbatches"], (pp_rank, 2 * PP - 1 - pp_rank)
-    v_parts = split_parts(model, 2 * PP)
+    n, v_ids = cfg["microbatches"], (pp_rank, 2 * pp - 1 - pp_rank)
+    v_parts = split_parts(model, 2 * pp)
     v_modules = [v_parts[s] for s in v_ids]
     for m in v_modules:
         expert_parallel(m, comm)
+        m.to(device)
 
     def v_stages() -> list:
-        return [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group)
-                for m, s in zip(v_modules, v_ids, strict=True)]
+        return [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(v_modules, v_ids, strict=True)]
 
     feeds_v = pp_rank == 0
     out: dict[str, tuple[Any, bool]] = {
@@ -169,21 +206,22 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
         "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss)), feeds_v),
     }
     if cfg["relay"]:  # same initial weights (the same model split again), its own copies
-        relayed = [split_parts(model, 2 * PP)[s] for s in v_ids]
+        relayed = [split_parts(model, 2 * pp)[s] for s in v_ids]
         for m in relayed:
             m.__class__ = RelayedMoETransformer
             expert_parallel(m, comm)
-        stages = [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group)
-                  for m, s in zip(relayed, v_ids, strict=True)]
+            m.to(device)
+        stages = [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(relayed, v_ids, strict=True)]
         out["overlap_relay"] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=True), feeds_v)
     if cfg["dualpipe"]:
-        place = placement("DualPipe", PP, n)
-        parts = split_parts(model, PP)
+        place = placement("DualPipe", pp, n)
+        parts = split_parts(model, pp)
         modules = {s: parts[place.model_part(s)] for s in place.stages_of(pp_rank)}
         for m in modules.values():
             expert_parallel(m, comm)
+            m.to(device)
         for name, overlap in zip(DUALPIPE_CONFIGS, (True, False), strict=True):
-            stages = [PipelineStage(m, s, 2 * PP, torch.device("cpu"), group=pp_group) for s, m in modules.items()]
+            stages = [PipelineStage(m, s, 2 * pp, device, group=pp_group) for s, m in modules.items()]
             out[name] = (ScheduleDualPipe(stages, n, loss_fn=lm_loss, overlap=overlap), True)
     return out
 
@@ -192,6 +230,8 @@ def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelCo
                  modules: Callable[[], list]) -> tuple[float, float, float]:
     """Per step on this rank: seconds, seconds blocked in all-to-all waits, CPU seconds
     (all threads of the process, gloo's included)."""
+    device = x.device
+    _sync(device)
     dist.barrier()
     comm.stats.reset()
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -199,20 +239,21 @@ def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelCo
         schedule.step(x, target=y) if feeds else schedule.step()
         for m in modules():
             m.zero_grad(set_to_none=True)
-    waited, cpu = comm.stats.waited_s, time.process_time() - cpu_start
+    _sync(device)
+    waited, cpu = comm.stats.collect(), time.process_time() - cpu_start
     dist.barrier()
     return (time.perf_counter() - start) / steps, waited / steps, cpu / steps
 
 
 def _worker(cfg: dict) -> dict:
-    pp_group, ep_group, pp_rank, ep_index = _groups()
+    pp_group, ep_group, pp_rank, ep_index = _groups(cfg["pp"], cfg["ep"])
     comm = ExpertParallelComm(ep_group)
     net, settings = _network(cfg, comm)
     comm.network = net
     n = cfg["microbatches"]
     g = torch.Generator().manual_seed(1 + ep_index)  # each pipeline its own data shard
-    x = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g)
-    y = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g)
+    x = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g).to(_device())
+    y = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g).to(_device())
     schedules = _schedules(cfg, pp_group, comm, pp_rank)
     names = list(schedules)
 
@@ -230,10 +271,11 @@ def _worker(cfg: dict) -> dict:
             step_s[name].append(t)
             exposed[name].append(w)
             cpu[name].append(c)
-    exposed_mean = torch.tensor([statistics.median(exposed[name]) for name in names], dtype=torch.float64)
+    device = _device()
+    exposed_mean = torch.tensor([statistics.median(exposed[name]) for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(exposed_mean)
     exposed_mean /= dist.get_world_size()
-    cpu_total = torch.tensor([statistics.median(cpu[name]) for name in names], dtype=torch.float64)
+    cpu_total = torch.tensor([statistics.median(cpu[name]) for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(cpu_total)
     return {"step_time": {name: statistics.median(step_s[name]) for name in names},
             "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)),
@@ -243,13 +285,14 @@ def _worker(cfg: dict) -> dict:
 # -- driver -------------------------------------------------------------------------------------
 def measure(cfg: dict) -> dict:
     _check(cfg)
-    raw = run_on_processes(_worker, PP * EP, cfg)
+    world = cfg["pp"] * cfg["ep"]
+    raw = run_on_processes(_worker, world, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo")
     result = {f"step_time_{name}": raw["step_time"][name] for name in raw["step_time"]}
     result.update({f"exposed_comm_{name}": raw["exposed_comm"][name] for name in raw["exposed_comm"]})
-    # No schedule can finish a step before the cores did all its CPU work.
-    cores = min(len(os.sched_getaffinity(0)), PP * EP)
-    result.update({f"cpu_bound_{name}": raw["cpu_seconds"][name] / cores for name in raw["cpu_seconds"]})
-    result["cores"] = cores
+    if cfg["device"] == "cpu":  # no schedule can finish a step before the cores did all its CPU work
+        cores = min(len(os.sched_getaffinity(0)), world)
+        result.update({f"cpu_bound_{name}": raw["cpu_seconds"][name] / cores for name in raw["cpu_seconds"]})
+        result["cores"] = cores
     result["overlap_vs_sequential"] = result["step_time_overlap"] / result["step_time_sequential"]
     if cfg["relay"]:
         result["overlap_relay_vs_sequential"] = result["step_time_overlap_relay"] / result["step_time_sequential"]
@@ -262,8 +305,8 @@ def measure(cfg: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    keys = ("rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio", "latency_ms",
-            "bandwidth_gbps", "dualpipe", "relay")
+    keys = ("pp", "ep", "device", "rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio",
+            "latency_ms", "bandwidth_gbps", "dualpipe", "relay")
     cfg = {k: getattr(args, k) for k in keys}
     result = measure(cfg)
     if args.json:
@@ -272,17 +315,20 @@ def run(args: argparse.Namespace) -> int:
     net = result["network"]
     how = (f"calibrated: block forward+backward {net['block_compute_ms']:.2f} ms, comm ratio {net['comm_ratio']}"
            if net["block_compute_ms"] is not None else "set on the command line")
-    print(f"pp={PP} x ep={EP} CPU processes, {cfg['microbatches']} microbatches, {cfg['layers']} MoE blocks "
+    print(f"pp={cfg['pp']} x ep={cfg['ep']} {'GPU' if cfg['device'] == 'cuda' else 'CPU'} processes, "
+          f"{cfg['microbatches']} microbatches, {cfg['layers']} MoE blocks "
           f"(dim {cfg['dim']}, {cfg['experts']} experts, top-2), seq {cfg['seq']}; "
           f"median of {cfg['rounds']} paired rounds x {cfg['steps']} steps")
     print(f"emulated network ({how}): latency {net['latency_ms']:.3f} ms, bandwidth {net['bandwidth_gbps']:.4f} GB/s "
           f"-> {net['exchange_ms']:.2f} ms per all-to-all ({net['exchange_remote_bytes']} remote bytes)")
-    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}{'CPU bound s/step':>19}")
+    cpu = cfg["device"] == "cpu"
+    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}" + (f"{'CPU bound s/step':>19}" if cpu else ""))
     for key in [k for k in result if k.startswith("step_time_")]:
         name = key[len("step_time_"):]
         print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
-              f"{result['cpu_bound_' + name]:>19.4f}")
-    print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")
+              + (f"{result['cpu_bound_' + name]:>19.4f}" if cpu else ""))
+    if cpu:
+        print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     return 0

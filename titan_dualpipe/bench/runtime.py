@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..cli import HelpFormatter
 from .model import TinyLM, lm_loss, split_model
 from .spawn import run_on_processes
 
@@ -26,13 +27,14 @@ PP = 2
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("runtime", help="our DualPipeV/DualPipe vs torch's schedules (2 CPU processes)")
-    p.add_argument("--rounds", type=int, default=7, help="paired rounds (default 7)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per schedule per round (default 3)")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+    p = kinds.add_parser("runtime", help="our DualPipeV/DualPipe vs torch's schedules (2 CPU processes)",
+                         formatter_class=HelpFormatter)
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per schedule per round")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    p.add_argument("--dim", type=int, default=128, help="TinyLM model width")
+    p.add_argument("--layers", type=int, default=8, help="TinyLM blocks")
+    p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.set_defaults(func=run)
 

@@ -1,4 +1,5 @@
-"""Run a function on N local gloo processes and return what rank 0 puts out."""
+"""Run a function on N local processes (gloo on CPU, or NCCL with one GPU each) and return
+what rank 0 puts out."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: Any) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5), device_id=device_id)
     try:
         result = fn(*args)
         if rank == 0:
@@ -30,11 +35,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.destroy_process_group()
 
 
-def run_on_processes(fn: Callable[..., Any], world: int, *args: Any) -> Any:
-    """``fn(*args)`` on ``world`` spawned ranks (one CPU thread each); rank 0's return value.
+def run_on_processes(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> Any:
+    """``fn(*args)`` on ``world`` spawned ranks (one CPU thread each; with ``backend="nccl"``,
+    rank r on GPU r); rank 0's return value.
 
     ``fn`` must be importable (a module-level function) for spawn.
     """
     out = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args, out), nprocs=world, start_method="spawn")
+    mp.start_processes(_entry, args=(world, _free_port(), backend, fn, args, out), nprocs=world, start_method="spawn")
     return out.get()

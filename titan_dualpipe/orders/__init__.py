@@ -34,6 +34,24 @@ def compute_order(schedule: str, pp_size: int, n_microbatches: int) -> dict[int,
     return {rank: _rank_order(place, rank) for rank in range(pp_size)}
 
 
+def identify_order(order: dict[int, list[_Action | None]]) -> tuple[str, int, int] | None:
+    """``(schedule, pp, n_microbatches)`` whose compute order ``order`` is, or None.
+
+    For messages about a CSV loaded under the wrong config: it names the config it fits.
+    """
+    compute = {r: [a for a in acts if a is not None and a.is_compute_op] for r, acts in order.items()}
+    pp = len(compute)
+    leaves = [leaf for acts in compute.values() for a in acts for leaf in (a.sub_actions or (a,))]
+    forwards_of_stage_0 = sum(1 for a in leaves if a.stage_index == 0 and a.computation_type.name == "FORWARD")
+    for schedule, n in (("DualPipeV", forwards_of_stage_0), ("DualPipe", 2 * forwards_of_stage_0)):
+        try:
+            if compute_order(schedule, pp, n) == compute:
+                return schedule, pp, n
+        except ValueError:
+            continue
+    return None
+
+
 __all__ = [
     "SCHEDULES",
     "Placement",
@@ -41,6 +59,7 @@ __all__ = [
     "canonical_name",
     "check_requirements",
     "compute_order",
+    "identify_order",
     "placement",
     "recipe",
     "to_actions",

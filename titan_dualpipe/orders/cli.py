@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import HelpFormatter
 from . import compute_order, placement
 from .csv_io import write_csv
 from .lowering import lower
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("csv", help="write a schedule as a torch pipelining CSV (one row per rank)")
+    p = subparsers.add_parser("csv", help="write a schedule as a torch pipelining CSV (one row per rank)",
+                              formatter_class=HelpFormatter)
     p.add_argument("--schedule", required=True, help="DualPipe or DualPipeV")
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches per step")

@@ -23,6 +23,7 @@ from .._compat import (
     _Action,
     _format_pipeline_order,
 )
+from .dataflow import input_source, peer_stage, receive_for
 from .lowering import Order, leaf_actions
 from .placement import Placement
 
@@ -39,16 +40,8 @@ class _Channel:
 
 
 def _expected_recv(send: _Action, place: Placement) -> _Action:
-    stage, mb = send.stage_index, send.microbatch_index
-    if send.computation_type == SEND_F:
-        return _Action(place.next_stage(stage), RECV_F, mb)
-    return _Action(place.prev_stage(stage), RECV_B, mb)
-
-
-def _producer_rank(recv: _Action, place: Placement) -> int:
-    stage = recv.stage_index
-    producer = place.prev_stage(stage) if recv.computation_type == RECV_F else place.next_stage(stage)
-    return place.rank_of(producer)
+    kind = RECV_F if send.computation_type == SEND_F else RECV_B
+    return _Action(peer_stage(send, place), kind, send.microbatch_index)
 
 
 class _DryRun:
@@ -62,22 +55,17 @@ class _DryRun:
         return self.channels.setdefault((src, dst), _Channel())
 
     def input_ready(self, rank: int, action: _Action) -> bool:
-        kind, stage, mb = action.computation_type, action.stage_index, action.microbatch_index
+        stage, mb = action.stage_index, action.microbatch_index
         done = self.done[rank]
-        if kind == W:
+        if action.computation_type == W:
             return _Action(stage, I, mb) in done
-        if kind == F:
-            producer, recv_kind, producer_kinds = self.place.prev_stage(stage), RECV_F, (F,)
-        elif kind in (I, B):
-            producer, recv_kind, producer_kinds = self.place.next_stage(stage), RECV_B, (I, B)
-        else:
+        source = input_source(action, self.place)
+        if source is None:
             return True
-        if producer is None:
-            return True
-        if self.place.rank_of(producer) == rank:
-            return any(_Action(producer, k, mb) in done for k in producer_kinds)
-        recv = _Action(stage, recv_kind, mb)
-        return recv in done and self.channel(self.place.rank_of(producer), rank).matched(recv)
+        if self.place.rank_of(source.stage) == rank:
+            return any(_Action(source.stage, k, mb) in done for k in source.kinds)
+        recv = receive_for(action)
+        return recv in done and self.channel(self.place.rank_of(source.stage), rank).matched(recv)
 
     def post(self, rank: int, action: _Action) -> None:
         kind = action.computation_type
@@ -88,7 +76,7 @@ class _DryRun:
             recv = _expected_recv(action, self.place)
             self.channel(rank, self.place.rank_of(recv.stage_index)).sent.append(recv)
         elif kind in (RECV_F, RECV_B):
-            self.channel(_producer_rank(action, self.place), rank).recvs.append(action)
+            self.channel(self.place.rank_of(peer_stage(action, self.place)), rank).recvs.append(action)
 
     def step(self, rank: int) -> bool:
         queue = self.pending[rank]

@@ -12,9 +12,6 @@ from collections import deque
 from typing import Iterable
 
 from .._compat import (
-    B,
-    F,
-    I,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -25,6 +22,7 @@ from .._compat import (
     _format_pipeline_order,
     _validate_schedule,
 )
+from .dataflow import input_source, output_destination, receive_for
 from .placement import Placement
 
 Order = dict[int, list[_Action]]
@@ -58,36 +56,40 @@ def validate_order(order: dict[int, list[_Action | None]], place: Placement) -> 
                         )
     except AssertionError as err:
         raise ValueError(
-            f"Invalid {place.schedule} order for pp={place.pp_size}, "
-            f"n_microbatches={place.n_microbatches}: {err}\n{_format_pipeline_order(order)}"
+            f"Invalid {place.schedule} order for pp={place.pp_size}, n_microbatches={place.n_microbatches}: "
+            f"{err}.{_what_it_fits(order, place)}\n{_format_pipeline_order(order)}"
         ) from None
 
 
+def _what_it_fits(order: dict[int, list[_Action | None]], place: Placement) -> str:
+    """Which schedule and sizes the order was made for, when it is one of ours, and the fix."""
+    from . import identify_order  # the package's order builders import this module
+
+    fits = identify_order(order)
+    if fits is None:
+        return ""
+    schedule, pp, n = fits
+    return (f" This order is {schedule}'s for pp={pp} and {n} microbatches: run it as {schedule} with those, or "
+            f"write one for this schedule with `titan-dualpipe csv --schedule {place.schedule} --pp {place.pp_size} "
+            f"--microbatches {place.n_microbatches} -o FILE`.")
+
+
 def _input_ready(action: _Action, done: set[_Action], place: Placement) -> bool:
-    """Whether ``action``'s input (activation or output grad) is available on its rank."""
-    stage, mb = action.stage_index, action.microbatch_index
-    if action.computation_type == F:
-        prev = place.prev_stage(stage)
-        return prev is None or _Action(stage, RECV_F, mb) in done or _Action(prev, F, mb) in done
-    if action.computation_type in (I, B):
-        nxt = place.next_stage(stage)
-        return nxt is None or any(a in done for a in (
-            _Action(stage, RECV_B, mb), _Action(nxt, I, mb), _Action(nxt, B, mb)))
-    return True
+    """Whether ``action``'s input (activation or output grad) is available on its rank: its
+    receive was posted, or its same-rank source ran."""
+    source = input_source(action, place)
+    if source is None:
+        return True
+    mb = action.microbatch_index
+    return receive_for(action) in done or any(_Action(source.stage, k, mb) in done for k in source.kinds)
 
 
 def _comms_after(action: _Action, place: Placement) -> list[tuple[_Action, _Action, int]]:
     """(send on this rank, matching recv, receiving rank) for a cross-rank output."""
-    stage, mb = action.stage_index, action.microbatch_index
-    if action.computation_type == F:
-        peer, send, recv = place.next_stage(stage), SEND_F, RECV_F
-    elif action.computation_type in (I, B):
-        peer, send, recv = place.prev_stage(stage), SEND_B, RECV_B
-    else:
-        return []
-    if peer is None or place.rank_of(peer) == place.rank_of(stage):
+    dest = output_destination(action, place)
+    if dest is None or place.rank_of(dest.stage) == place.rank_of(action.stage_index):
         return []  # chain end, or same-rank neighbour: handed over in memory
-    return [(_Action(stage, send, mb), _Action(peer, recv, mb), place.rank_of(peer))]
+    return [(dest.send, dest.recv, place.rank_of(dest.stage))]
 
 
 def insert_send_recv(order: dict[int, list[_Action]], place: Placement) -> Order:
@@ -143,54 +145,35 @@ def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
     return [leaf for a in actions if a is not None for leaf in leaf_actions(a) if leaf.is_compute_op]
 
 
-def _recv_peer(action: _Action, place: Placement) -> int:
-    stage = action.stage_index
-    producer = place.prev_stage(stage) if action.computation_type == RECV_F else place.next_stage(stage)
-    return place.rank_of(producer)
-
-
 def defer_recvs(lowered: Order, place: Placement) -> Order:
-    """Post each RECV as late as possible: just before the compute that consumes it.
+    """Post each RECV as late as possible without reordering any rank's communication.
 
-    Two rules keep it correct. Messages between a pair of ranks match in posting order
-    (torch's sends carry no tag), and activations and gradients of equal shape flow the
-    same way between V neighbours, so recvs from one peer keep their relative order: a
-    consumer flushes its peer's queue up to its own recv. And, as in torch's
-    ``_defer_recv_ops``, a rank posts pending recvs from a higher peer before sending to
-    it, so the lower rank of every pair always has its recv posted first (no deadlock).
+    A receive moves past compute actions only: it is posted just before the compute that
+    consumes it, or just before the rank's next SEND or RECV, whichever comes first. Every
+    rank therefore posts exactly the communication sequence of the undeferred order, which
+    NCCL needs (no buffering: a send completes only against its posted receive, and a
+    communicator runs its ops in posting order; see :mod:`.nccl_model`), and messages between
+    two ranks keep their order (torch's sends carry no tag, and V neighbours exchange
+    activations and gradients of one shape). torch's ``_defer_recv_ops`` also moves receives
+    past sends, which gloo buffers and NCCL does not.
     """
-    result: Order = {}
-    for rank, actions in lowered.items():
-        out: list[_Action] = []
-        pending: dict[int, deque[_Action]] = {}
+    return {rank: _deferred(actions) for rank, actions in lowered.items()}
 
-        def flush(peer: int, upto: _Action | None = None) -> None:
-            queue = pending.get(peer, deque())
-            while queue:
-                recv = queue.popleft()
-                out.append(recv)
-                if recv == upto:
-                    return
 
-        for action in actions:
-            kind = action.computation_type
-            if kind in (RECV_F, RECV_B):
-                pending.setdefault(_recv_peer(action, place), deque()).append(action)
-                continue
-            if kind in (SEND_F, SEND_B):
-                stage = action.stage_index
-                peer_stage = place.next_stage(stage) if kind == SEND_F else place.prev_stage(stage)
-                peer = place.rank_of(peer_stage)
-                if rank < peer:
-                    flush(peer)
-            for leaf in leaf_actions(action):
-                needed = {F: RECV_F, I: RECV_B, B: RECV_B}.get(leaf.computation_type)
-                recv = _Action(leaf.stage_index, needed, leaf.microbatch_index) if needed else None
-                for peer, queue in pending.items():
-                    if recv in queue:
-                        flush(peer, recv)
-            out.append(action)
-        for peer in list(pending):
-            flush(peer)
-        result[rank] = out
-    return result
+def _deferred(actions: list[_Action]) -> list[_Action]:
+    out: list[_Action] = []
+    pending: list[_Action] = []
+    for action in actions:
+        kind = action.computation_type
+        if kind in (RECV_F, RECV_B):
+            pending.append(action)
+            continue
+        if kind in (SEND_F, SEND_B):
+            out.extend(pending)
+            pending.clear()
+        else:
+            needed = {receive_for(leaf) for leaf in leaf_actions(action)}
+            while needed & set(pending):  # up to the last receive this action consumes
+                out.append(pending.pop(0))
+        out.append(action)
+    return out + pending

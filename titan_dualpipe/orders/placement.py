@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dataflow import Chains
+
 SCHEDULES = ("DualPipeV", "DualPipe")
 
 
@@ -29,8 +31,8 @@ def canonical_name(schedule: str) -> str:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Stage-to-rank map and data-flow chains of one schedule instance."""
+class Placement(Chains):
+    """Stage-to-rank map and data-flow chains of one schedule instance (neighbours: :class:`Chains`)."""
 
     schedule: str
     pp_size: int
@@ -44,16 +46,12 @@ class Placement:
     def bidirectional(self) -> bool:
         return self.schedule == "DualPipe"
 
-    @property
+    @property  # type: ignore[override]
     def chains(self) -> tuple[tuple[int, ...], ...]:
         """Stage ids of each chain, in data-flow order."""
         if self.bidirectional:
             return (tuple(range(self.pp_size)), tuple(range(self.pp_size, self.num_stages)))
         return (tuple(range(self.num_stages)),)
-
-    def chain_of(self, stage: int) -> int:
-        self._check_stage(stage)
-        return int(self.bidirectional and stage >= self.pp_size)
 
     def rank_of(self, stage: int) -> int:
         self._check_stage(stage)
@@ -64,22 +62,6 @@ class Placement:
         if not 0 <= rank < self.pp_size:
             raise ValueError(f"rank {rank} is outside the pipeline of {self.pp_size} ranks")
         return rank, self.num_stages - 1 - rank
-
-    def prev_stage(self, stage: int) -> int | None:
-        """The stage whose output feeds ``stage``, or None for a chain's first stage."""
-        chain = self.chains[self.chain_of(stage)]
-        return None if stage == chain[0] else stage - 1
-
-    def next_stage(self, stage: int) -> int | None:
-        """The stage fed by ``stage``, or None for a chain's last stage (it computes the loss)."""
-        chain = self.chains[self.chain_of(stage)]
-        return None if stage == chain[-1] else stage + 1
-
-    def is_first(self, stage: int) -> bool:
-        return self.prev_stage(stage) is None
-
-    def is_last(self, stage: int) -> bool:
-        return self.next_stage(stage) is None
 
     def feeds_batch(self, rank: int) -> bool:
         """Whether ``rank`` holds a first or a last stage, so passes the whole batch
@@ -123,9 +105,10 @@ def check_requirements(schedule: str, pp_size: int, n_microbatches: int) -> str:
         raise ValueError(f"{name} needs n_microbatches >= 1, got {n_microbatches!r}.")
     if name == "DualPipe":
         if pp_size % 2:
+            even = f"{pp_size - 1} or {pp_size + 1}" if pp_size > 1 else "2"
             raise ValueError(
-                f"DualPipe needs an even pipeline size, got pp_size={pp_size}: use an even "
-                f"pp ({pp_size - 1 if pp_size > 1 else 2} or {pp_size + 1}) or DualPipeV, which takes any pp."
+                f"DualPipe needs an even pipeline size, got pp_size={pp_size}: use an even pp ({even}) or "
+                "DualPipeV, which takes any pp."
             )
         if n_microbatches % 2:
             raise ValueError(

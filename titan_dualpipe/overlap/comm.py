@@ -8,10 +8,13 @@ plain ``module(x)`` + ``loss.backward()`` works. The overlapped path instead wai
 handle at a moment of its choosing, computing something else in between.
 
 :class:`EmulatedNetwork` makes every exchange cost ``latency + remote bytes / bandwidth``
-(the local share never crosses a network). The cost is paid in ``wait()`` by sleeping
-until that long after the post, so it uses no CPU and is hidden by whatever computes
-between post and wait. :class:`CommStats` adds up the time spent waiting: the
-communication left exposed.
+(the local share never crosses a network). On the CPU the cost is paid in ``wait()`` by
+sleeping until that long after the post, so it uses no CPU and is hidden by whatever
+computes between post and wait. On a GPU it is a sleep kernel of that length on a side
+stream (:class:`GpuDelay`, standing in for NCCL's stream), after which the real exchange
+(if any) is posted; ``wait()`` makes the compute stream wait, so the partner half's kernels
+run meanwhile. :class:`CommStats` adds up the time spent waiting (on a GPU: the time the
+compute stream stalled, from CUDA events): the communication left exposed.
 
 Every exchange here calls :func:`~titan_dualpipe.overlap.relay.hand_over` between posting
 and waiting where the waiting is not the caller's choice (a backward; the plain forward),
@@ -52,37 +55,89 @@ class EmulatedNetwork:
 
 @dataclass
 class CommStats:
-    """Exchanges posted and seconds spent blocked in their ``wait()``."""
+    """Exchanges posted and seconds spent blocked in their ``wait()`` (see :meth:`collect`)."""
 
     posted: int = 0
     waited_s: float = 0.0
+    gpu_stalls: list = field(default_factory=list)  # (start, end) CUDA events around compute-stream waits
 
     def reset(self) -> None:
         self.posted, self.waited_s = 0, 0.0
+        self.gpu_stalls.clear()
+
+    def collect(self) -> float:
+        """``waited_s``, with the GPU stalls recorded so far added (synchronizes the GPU)."""
+        if self.gpu_stalls:
+            torch.cuda.synchronize()
+            self.waited_s += sum(start.elapsed_time(end) for start, end in self.gpu_stalls) / 1e3
+            self.gpu_stalls.clear()
+        return self.waited_s
+
+
+class GpuDelay:
+    """An emulated network on one GPU: a sleep kernel on a side stream, calibrated once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.cycles_per_s = self._calibrate()
+
+    def _calibrate(self, cycles: int = 2_000_000) -> float:
+        torch.cuda._sleep(1000)  # the first launch pays the setup
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) / 1e3)
+
+    def delay(self, seconds: float) -> torch.cuda.Stream:
+        """Start ``seconds`` of network time after everything the current stream has queued;
+        returns the side stream, on which whatever follows the delay must be queued."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s)))
+        return self.stream
 
 
 class PendingAllToAll:
     """An exchange in flight; ``output`` holds the result once ``wait()`` returned."""
 
-    def __init__(self, output: torch.Tensor, work: dist.Work | None, ready_at: float, stats: CommStats) -> None:
+    def __init__(self, output: torch.Tensor, work: dist.Work | None, ready_at: float, stats: CommStats,
+                 gpu_done: torch.cuda.Event | None = None) -> None:
         self.output = output
         self._work = work
         self._ready_at = ready_at
         self._stats = stats
+        self._gpu_done = gpu_done  # the emulated network's delay (GPU)
         self._done = False
 
     def wait(self) -> torch.Tensor:
         if self._done:
             return self.output
-        start = time.perf_counter()
-        if self._work is not None:
-            self._work.wait()
-        remaining = self._ready_at - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        self._stats.waited_s += time.perf_counter() - start
+        if self.output.is_cuda:
+            self._wait_on_gpu()
+        else:
+            start = time.perf_counter()
+            if self._work is not None:
+                self._work.wait()
+            remaining = self._ready_at - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            self._stats.waited_s += time.perf_counter() - start
         self._done = True
         return self.output
+
+    def _wait_on_gpu(self) -> None:
+        """The compute stream waits (the CPU does not); CUDA events time the stall."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if self._gpu_done is not None:
+            torch.cuda.current_stream().wait_event(self._gpu_done)
+        if self._work is not None:
+            self._work.wait()  # on the compute stream: the tensors it holds are released after it
+        end.record()
+        self._stats.gpu_stalls.append((start, end))
 
 
 @dataclass(eq=False)
@@ -96,6 +151,7 @@ class ExpertParallelComm:
     group: dist.ProcessGroup | None = None
     network: EmulatedNetwork | None = None
     stats: CommStats = field(default_factory=CommStats)
+    _gpu_delay: GpuDelay | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -110,17 +166,40 @@ class ExpertParallelComm:
         if x.shape[0] != self.size:
             raise ValueError(f"all-to-all input needs dim 0 == group size {self.size}, got shape {tuple(x.shape)}")
         self.stats.posted += 1
-        if self.group is None or x.is_meta:  # shape inference on meta tensors exchanges nothing
+        if x.is_meta:  # shape inference on meta tensors exchanges nothing
             return PendingAllToAll(x if self.group is None else torch.empty_like(x), None, 0.0, self.stats)
+        if x.is_cuda and self.network is not None:
+            return self._post_emulated_on_gpu(x)
+        if self.group is None:
+            return PendingAllToAll(x, None, 0.0, self.stats)
         x = x.contiguous()
         output = torch.empty_like(x)
         start = time.perf_counter()
         work = dist.all_to_all_single(output, x, group=self.group, async_op=True)
         delay = 0.0
         if self.network is not None and self.size > 1:
-            remote_bytes = x.numel() * x.element_size() * (self.size - 1) // self.size
-            delay = self.network.seconds(remote_bytes)
+            delay = self.network.seconds(self._remote_bytes(x))
         return PendingAllToAll(output, work, start + delay, self.stats)
+
+    def _remote_bytes(self, x: torch.Tensor) -> int:
+        return x.numel() * x.element_size() * (self.size - 1) // self.size
+
+    def _post_emulated_on_gpu(self, x: torch.Tensor) -> PendingAllToAll:
+        """The network's time as a sleep kernel on a side stream, then the real exchange (if
+        any) queued behind it; with no group the data stays (one rank) and only the time passes."""
+        assert self.network is not None
+        if self._gpu_delay is None or self._gpu_delay.device != x.device:
+            self._gpu_delay = GpuDelay(x.device)
+        x = x.contiguous()  # queued before the side stream starts waiting on the compute stream
+        side = self._gpu_delay.delay(self.network.seconds(self._remote_bytes(x)))
+        if self.group is None:
+            done = torch.cuda.Event()
+            done.record(side)
+            return PendingAllToAll(x, None, 0.0, self.stats, gpu_done=done)
+        output = torch.empty_like(x)
+        with torch.cuda.stream(side):  # NCCL's stream then waits for the delay
+            work = dist.all_to_all_single(output, x, group=self.group, async_op=True)
+        return PendingAllToAll(output, work, 0.0, self.stats)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -6,10 +6,11 @@
   as a relay (:mod:`~titan_dualpipe.overlap.relay`): they switch wherever the module hands
   over after posting an exchange, and the forward's pipeline send is posted as soon as the
   forward ends (not after the whole pair), so it is in flight while the backward computes.
-- :func:`~titan_dualpipe.runtime.executor.run_pair_sequentially`: the forward, then the
+- :func:`~titan_dualpipe.runtime.pairs.run_pair_sequentially`: the forward, then the
   backward, sends after both (``overlap=False``; for debugging and comparison).
 
-Both run the same computations on the same data, so their results are bitwise equal.
+Both run the same computations on the same data, so their results are bitwise equal. Importing
+this module registers :func:`run_pair_overlapped` with the runtime (``runtime.pairs``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 from .._compat import SEND_F, _Action, input_grads, module_forward_replaced, stage_backward_replaced
+from ..runtime.executor import StepExecutor
+from ..runtime.pairs import register_overlapped
 from .protocol import overlap_implementation
 from .relay import run_relayed
 
 
-def run_pair_overlapped(executor: Any, forward: _Action, backward: _Action) -> None:
+def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
     fwd_module = executor.stages[forward.stage_index].submod
     bwd_module = executor.stages[backward.stage_index].submod
     fused = overlap_implementation(fwd_module, bwd_module)
@@ -72,3 +75,6 @@ def _differentiable(stage_output: Any, output_grads: Any) -> tuple[list, list | 
     kept = [(o, g) for o, g in zip(stage_output, output_grads)
             if o.requires_grad or o.grad_fn is not None]
     return [o for o, _ in kept], [g for _, g in kept]
+
+
+register_overlapped(run_pair_overlapped)

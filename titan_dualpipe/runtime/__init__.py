@@ -1,6 +1,6 @@
 """Runtime schedules and the executor that runs their lowered orders."""
 
-from ..sim.timeline import TimedAction
+from .timeline import TimedAction
 from .executor import StepExecutor
 from .schedules import ScheduleDualPipe, ScheduleDualPipeV
 

@@ -23,12 +23,14 @@ What each action does (stage ``s``, microbatch ``m``):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
 from .._compat import (
@@ -47,13 +49,18 @@ from .._compat import (
     W,
     _Action,
     _batch_p2p,
+    _format_pipeline_order,
+    _get_profiler_function_name,
     _PipelineContext,
     _wait_batch_p2p,
 )
+from .failures import PeerFailed, peer_failed, record
+from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
-from ..sim.timeline import TimedAction
+from .timeline import TimedAction
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
+logger = logging.getLogger("titan_dualpipe")
 
 
 class StepExecutor:
@@ -68,8 +75,10 @@ class StepExecutor:
         target_mbs: list | None,
         loss_kwargs: dict | None,
         return_outputs: bool,
+        failure_scope: str = "",
     ) -> None:
         self.schedule = schedule
+        self.failure_scope = failure_scope
         self.place = place
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
         self.rank = schedule.rank
@@ -80,8 +89,9 @@ class StepExecutor:
         self.losses: dict[int, torch.Tensor] = {}
         self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
         self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
-        self.sends: list[list[dist.Work]] = []
-        self.sent_early: set[_Action] = set()
+        self.sends: list[tuple[_Action, list[dist.Work]]] = []
+        self.upcoming: list[_Action] = []  # the rest of the order, while run() executes it
+        self.done_early: set[_Action] = set()  # communication posted ahead of its place
         self.backward_count: Counter[int] = Counter()
         self.backward_at_weight: set[tuple[int, int]] = set()
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
@@ -103,17 +113,60 @@ class StepExecutor:
 
     # -- driver ---------------------------------------------------------------------------
     def run(self, actions: list[_Action]) -> None:
-        for action in actions:
-            if not self.training and action.computation_type in BACKWARD_ONLY:
-                continue
-            custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
-            if custom is not None:
-                ctx = _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None)
-                custom(action, ctx)
-            else:
-                self._handlers[action.computation_type](action)
-        while self.sends:
-            _wait_batch_p2p(self.sends.pop())
+        """Run this rank's order; each action under torch's profiler name (``PP:<action>``). On an
+        exception: record it for the other ranks (:mod:`.failures`), log the order with the
+        failing action's row marked, re-raise."""
+        self.upcoming = list(reversed(actions))  # popped from the end
+        action: _Action | None = None
+        try:
+            while self.upcoming:
+                action = self.upcoming.pop()
+                if action in self.done_early:
+                    self.done_early.remove(action)
+                    continue
+                if not self.training and action.computation_type in BACKWARD_ONLY:
+                    continue
+                with record_function(_get_profiler_function_name(action)):
+                    self._perform(action)
+            action = None
+            while self.sends:
+                send, works = self.sends.pop()
+                self._wait(works, send)
+        except BaseException as err:
+            self._report(err, actions, action)
+            raise
+
+    def _perform(self, action: _Action) -> None:
+        custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
+        if custom is not None:
+            custom(action, _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None))
+        else:
+            self._handlers[action.computation_type](action)
+
+    def _report(self, err: BaseException, actions: list[_Action], action: _Action | None) -> None:
+        where = f"at {action}" if action is not None else "waiting for its sends at the end of the step"
+        if not isinstance(err, PeerFailed):
+            root = err
+            while root.__cause__ is not None:  # torch wraps a stage's own error: name that one
+                root = root.__cause__
+            record(self.failure_scope, f"pipeline rank {self.rank} (global rank {dist.get_rank()}) raised "
+                                       f"{type(root).__name__} {where}: {_first_line(root)}")
+        row = actions.index(action) if action is not None else None
+        logger.error("pipeline rank %s failed %s (row %s of its order, marked):\n%s", self.rank, where, row,
+                     _format_pipeline_order(self.schedule.pipeline_order_with_comms, error_step_number=row))
+
+    def _wait(self, works: list[dist.Work], action: _Action) -> None:
+        """Wait for ``action``'s p2p ops; if its peer stopped, raise :class:`PeerFailed` naming it."""
+        try:
+            _wait_batch_p2p(works)
+        except RuntimeError as err:
+            source = input_source(action, self.place)
+            peer = self.place.rank_of(source.stage if source is not None else peer_stage(action, self.place))
+            group = self.stages[action.stage_index].group
+            peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+            raise peer_failed(self.failure_scope,
+                              f"pipeline rank {self.rank} (global rank {dist.get_rank()}) lost pipeline rank {peer} "
+                              f"(global rank {peer_global}) at {action}: {_first_line(err)}") from err
 
     def timed(self, action: _Action, fn: Callable[[], None]) -> None:
         if self.timeline is None:
@@ -151,9 +204,9 @@ class StepExecutor:
         )
         if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
             self.losses[mb] = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
-        nxt = self.place.next_stage(s)
-        if nxt in self.stages:
-            self.stages[nxt].set_local_fwd_input(output, mb)
+        dest = output_destination(action, self.place)
+        if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
+            self.stages[dest.stage].set_local_fwd_input(output, mb)
 
     def run_backward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -169,9 +222,9 @@ class StepExecutor:
         stage.backward_one_chunk(
             mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
         )
-        prev = self.place.prev_stage(s)
-        if prev in self.stages:
-            self.stages[prev].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+        dest = output_destination(action, self.place)
+        if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
+            self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
     def run_weight(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -191,37 +244,46 @@ class StepExecutor:
         return self.backward_count[stage_index] == self.place.microbatches_per_stage()
 
     def wait_input(self, action: _Action) -> None:
-        """Wait for the recv feeding ``action`` unless its producer is a chain end or on this rank."""
+        """Wait for the recv feeding ``action`` unless its source is a chain end or on this rank."""
         s, mb = action.stage_index, action.microbatch_index
-        if action.computation_type == F:
-            peer, recvs = self.place.prev_stage(s), self.fwd_recvs
-        else:
-            peer, recvs = self.place.next_stage(s), self.bwd_recvs
-        if peer is None or peer in self.stages:
+        source = input_source(action, self.place)
+        if source is None or source.stage in self.stages:
             return
+        recvs = self.fwd_recvs if action.computation_type == F else self.bwd_recvs
         works = recvs.pop((s, mb), None)
         if works is None:
             raise RuntimeError(f"rank {self.rank}: {action} runs before its input was received")
-        _wait_batch_p2p(works)
+        self._wait(works, action)
 
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
-        if action in self.sent_early:
-            self.sent_early.remove(action)
-            return
-        self.sends.append(_batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index)))
+        works = _batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index))
+        self.sends.append((action, works))
 
     def send_backward(self, action: _Action) -> None:
-        self.sends.append(_batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index)))
+        works = _batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index))
+        self.sends.append((action, works))
 
     def post_send_early(self, send: _Action) -> None:
-        """Post a forward send now, ahead of its place in the order (which then skips it),
-        if the order has it at all (no send to a same-rank stage or past a chain end)."""
-        nxt = self.place.next_stage(send.stage_index)
-        if nxt is None or nxt in self.stages:
+        """Post a forward send now, ahead of its place in the order (which then skips it).
+
+        Only when nothing but receives stands between here and the send in the order: those
+        are posted first, so this rank's communication keeps its order (NCCL runs a
+        communicator's ops in posting order and does not buffer). Otherwise, or when the
+        order has no such send (same-rank next stage, chain end), the send waits its turn.
+        """
+        ahead: list[_Action] = []
+        for action in reversed(self.upcoming):
+            if action == send:
+                break
+            if action.computation_type not in (RECV_F, RECV_B):
+                return
+            ahead.append(action)
+        else:
             return
-        self.send_forward(send)
-        self.sent_early.add(send)
+        for action in (*ahead, send):
+            self._handlers[action.computation_type](action)
+            self.done_early.add(action)
 
     def recv_forward(self, action: _Action) -> None:
         key = (action.stage_index, action.microbatch_index)
@@ -254,6 +316,11 @@ class StepExecutor:
         self.stages[action.stage_index].perform_reduce_grad(scale)
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _unshard_nested(stage: Any) -> None:
     """Unshard every FSDP module of a stage before a split (I or W) backward.
 
@@ -268,9 +335,3 @@ def _unshard_nested(stage: Any) -> None:
     for module in stage.submod.modules():
         if isinstance(module, FSDPModule):
             module.unshard()
-
-
-def run_pair_sequentially(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
-    """The pair without overlap: the forward, then the backward."""
-    executor.run_forward(forward)
-    executor.run_backward(backward)

@@ -13,10 +13,7 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.distributed as dist
 
-from torch._dynamo.eval_frame import OptimizedModule
-
 from .._compat import (
-    COMPILED_SPLIT_BACKWARD_WORKS,
     PipelineStage,
     _PipelineScheduleRuntime,
     _PipelineStageBase,
@@ -28,53 +25,26 @@ from .._compat import (
 )
 from ..orders import compute_order, placement
 from ..orders.lowering import lower, validate_order
-from ..overlap.pair import run_pair_overlapped
-from ..sim.timeline import TimedAction
-from .executor import StepExecutor, run_pair_sequentially
+from .timeline import TimedAction
+from .agreement import agree
+from .executor import StepExecutor
+from .failures import schedule_scope, step_scope
+from .p2p import swap
+from .pairs import PairRunner, pair_runner
 from .twins import copy_to_twin, sum_twin_grads
-
-PairRunner = Callable[[StepExecutor, Any, Any], None]
-
-
-def _check_stages(name: str, stages: list[_PipelineStageBase]) -> None:
-    """ValueError for stage lists that cannot form this rank's part of the schedule."""
-    if not isinstance(stages, (list, tuple)) or len(stages) != 2:
-        count = len(stages) if isinstance(stages, (list, tuple)) else type(stages).__name__
-        raise ValueError(
-            f"{name} needs exactly two stages per rank, got {count}: pass "
-            "[PipelineStage(stage_index=r), PipelineStage(stage_index=2*pp-1-r)] on rank r."
-        )
-    pp, rank = stages[0].group_size, stages[0].group_rank
-    expected = {rank, 2 * pp - 1 - rank}
-    got = {s.stage_index for s in stages}
-    bad_total = [s.num_stages for s in stages if s.num_stages != 2 * pp]
-    if got != expected or bad_total:
-        raise ValueError(
-            f"{name} on rank {rank} of {pp} needs stages {sorted(expected)} with num_stages={2 * pp}; "
-            f"got stage ids {sorted(got)} with num_stages {[s.num_stages for s in stages]}. "
-            "Rank r holds stages r and 2*pp-1-r (V placement)."
-        )
+from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
 
 
-def _compiled_modules(module: torch.nn.Module) -> list[str]:
-    """Names of the torch.compile'd modules inside ``module`` (wrapped, or compiled in place)."""
-    return [name or "<stage module>" for name, m in module.named_modules()
-            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
 
-
-def _check_not_compiled(name: str, stages: list[_PipelineStageBase]) -> None:
-    """ValueError for compiled stage modules while torch cannot split their backward."""
-    if COMPILED_SPLIT_BACKWARD_WORKS:
-        return
-    for stage in stages:
-        compiled = _compiled_modules(stage.submod)
-        if compiled:
-            raise ValueError(
-                f"{name}: stage {stage.stage_index} contains torch.compile'd modules ({', '.join(compiled[:4])}"
-                f"{', ...' if len(compiled) > 4 else ''}); the schedule's split backward (I, then W) cannot run "
-                f"through compiled graphs on torch {torch.__version__} (pytorch#161904). Build the stages from "
-                "uncompiled modules (torchtitan: [compile] enable = false, or components = [\"loss\"])."
-            )
+def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
+    """ValueError on every rank when any rank's stages or microbatch count cannot work (one
+    collective over the stages' group; a rank without a single stage has no group to tell)."""
+    problem = stage_problem(name, stages)
+    if not isinstance(stages, (list, tuple)) or not stages:
+        raise ValueError(problem)
+    if not problem:
+        problem = compiled_problem(name, stages) or requirements_problem(name, stages[0].group_size, n_microbatches)
+    agree(problem, stages[0].group, stages[0].device)
 
 
 class _DualPipeFamily(_PipelineScheduleRuntime):
@@ -108,8 +78,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         overlap: bool = True,
         record_timeline: bool = False,
     ) -> None:
-        _check_stages(self.schedule_name, stages)
-        _check_not_compiled(self.schedule_name, stages)
+        _agree_on_construction(self.schedule_name, stages, n_microbatches)
         self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
         stages = sorted(stages, key=lambda s: s.stage_index)
         super().__init__(
@@ -124,6 +93,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             **schedule_kwargs(defer_pp_recv=defer_pp_recv),
         )
         self._defer_pp_recv = defer_pp_recv
+        self._failure_scope = schedule_scope(self._stages[0].group)
+        self._steps_run = 0
         place = self.placement
         self.stage_index_to_group_rank = {s: place.rank_of(s) for s in range(place.num_stages)}
         for stage in self._stages:
@@ -133,7 +104,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
-        self.pair_runner: PairRunner = run_pair_overlapped if overlap else run_pair_sequentially
+        self.pair_runner: PairRunner = pair_runner(overlap)
         self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
@@ -166,8 +137,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """
         if self._has_backward and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() needs gradients enabled (it runs the backward); use eval() under torch.no_grad()")
-        # pre-split inputs count as given (torchtitan 0.3.0 passes only arg_mbs / target_mbs)
-        self._agree_on_inputs(args or tuple(arg_mbs or ()), kwargs, target if target_mbs is None else target_mbs)
+        self._agree_on_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
@@ -194,38 +164,17 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     def _compute_loss(self, output, target, loss_kwargs=None):
         return self._loss_fn(output, target, **(loss_kwargs or {}))
 
-    def _input_problem(self, args: tuple, kwargs: dict, target: Any) -> str:
-        """This rank's problem with its step() inputs, or ''."""
-        place = self.placement
-        local = [s.stage_index for s in self._stages]
-        firsts = [s for s in local if place.is_first(s)]
-        lasts = [s for s in local if place.is_last(s)]
-        if firsts and not args:
-            return (f"rank {self.rank} holds first stage {firsts[0]} of {self.schedule_name} and must pass the "
-                    "whole-batch inputs: schedule.step(x, target=y)")
-        if lasts and self._has_backward and self._loss_fn is not None and target is None:
-            return (f"rank {self.rank} holds last stage {lasts[0]} of {self.schedule_name} and computes the loss: "
-                    "pass target= to step()")
-        return ""
-
-    def _agree_on_inputs(self, args: tuple, kwargs: dict, target: Any) -> None:
+    def _agree_on_inputs(self, args: tuple, kwargs: dict, target: Any, arg_mbs: Any = None, kwarg_mbs: Any = None,
+                         target_mbs: Any = None) -> None:
         """Every rank raises when any rank's step() inputs are wrong, before pipeline traffic."""
-        problem = self._input_problem(args, kwargs, target)
+        problem, size = step_inputs_problem(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         holds_last = any(self.placement.is_last(s.stage_index) for s in self._stages)
-        group = self._stages[0].group
-        # [ranks with a problem, last-stage ranks passing a target, last-stage ranks]
-        counts = torch.tensor([int(bool(problem)), int(holds_last and target is not None), int(holds_last)])
-        dist.all_reduce(counts, group=group)
-        if counts[0] == 0 and counts[1] not in (0, counts[2]):
-            problem = problem or (
-                f"{self.schedule_name}: {counts[1].item()} of the {counts[2].item()} ranks holding a last "
-                "stage passed target=; pass it on all of them (ranks 0 and pp-1) or on none"
-            )
-            counts[0] = 1
-        if counts[0]:
-            problems: list[str] = [""] * self.pp_group_size
-            dist.all_gather_object(problems, problem, group=group)
-            raise ValueError("; ".join(dict.fromkeys(p for p in problems if p)))
+        passes_target = target is not None or target_mbs is not None
+        group, device = self._stages[0].group, self._stages[0].device
+        table = agree(problem, group, device, facts=[int(holds_last), int(holds_last and passes_target), size])
+        problem = cross_rank_problem(self.placement, table)
+        if problem:  # the same on every rank: the table is
+            raise ValueError(problem)
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
@@ -233,7 +182,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         first_target = target_mbs[0] if target_mbs is not None else None
         initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         self._before_first_step()
-        executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
+        scope = step_scope(self._failure_scope, self._steps_run)
+        self._steps_run += 1
+        executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs,
+                                failure_scope=scope)
         executor.run(self.pipeline_order_with_comms[self.rank])
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
@@ -322,7 +274,7 @@ class ScheduleDualPipe(_DualPipeFamily):
     def sync_twin_weights(self) -> None:
         """Copy each direction-0 part onto its direction-1 twin (collective over twin pairs)."""
         near, far = self._stages  # sorted: direction-0 stage r, direction-1 stage 2pp-1-r
-        copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group)
+        copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group, near.device)
         self._twins_synced = True
 
     def _before_first_step(self) -> None:
@@ -344,10 +296,7 @@ class ScheduleDualPipe(_DualPipeFamily):
         own_mbs = sorted(mine)
         other_mbs = [mb for mb in range(self._n_microbatches) if mb not in mine]
         sent = torch.stack([mine[mb].detach() for mb in own_mbs])
-        received = torch.empty_like(sent)
-        ops = [dist.P2POp(dist.isend, sent, peer, self._group), dist.P2POp(dist.irecv, received, peer, self._group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        (received,) = swap([sent], [sent], peer, self._group)
         return {**mine, **dict(zip(other_mbs, received.unbind()))}
 
     def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .p2p import swap
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameters and grads), else the tensor itself."""
@@ -37,14 +39,10 @@ def _exchange(
     The peer calls this with the roles mirrored, so its ``send`` is laid out like our
     ``recv_like`` (same module part, same parameter order and dtypes).
     """
-    outgoing = [buf for _, buf in _packed(send)]
-    incoming = [(idx, torch.empty_like(buf)) for idx, buf in _packed(recv_like)]
-    ops = [dist.P2POp(dist.isend, buf, peer, group) for buf in outgoing]
-    ops += [dist.P2POp(dist.irecv, buf, peer, group) for _, buf in incoming]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    layout = _packed(recv_like)
+    buffers = swap([buf for _, buf in _packed(send)], [buf for _, buf in layout], peer, group)
     received: list[torch.Tensor] = list(recv_like)
-    for idx, buf in incoming:
+    for (idx, _), buf in zip(layout, buffers, strict=True):
         for i, chunk in zip(idx, buf.split([recv_like[i].numel() for i in idx])):
             received[i] = chunk.view_as(recv_like[i])
     return received
@@ -79,7 +77,7 @@ def _wrap_like(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def copy_to_twin(
-    source: nn.Module, target: nn.Module, peer: int, group: dist.ProcessGroup | None
+    source: nn.Module, target: nn.Module, peer: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
     """Send ``source``'s parameters to ``peer`` and overwrite ``target``'s with the peer's.
 
@@ -90,7 +88,7 @@ def copy_to_twin(
         _reshard(module)
     mine = [_local(p) for p in source.parameters()]
     dest = [_local(p) for p in target.parameters()]
-    _check_same_part(mine, dest, peer, group)
+    _check_same_part(mine, dest, peer, group, device)
     for t, theirs in zip(dest, _exchange(mine, dest, peer, group)):
         t.copy_(theirs)
 
@@ -102,18 +100,19 @@ def _reshard(module: nn.Module) -> None:
             m.reshard()
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64)
+def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64, device=device)
 
 
 def _check_same_part(
-    mine: list[torch.Tensor], dest: list[torch.Tensor], peer: int, group: dist.ProcessGroup | None
+    mine: list[torch.Tensor], dest: list[torch.Tensor], peer: int, group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> None:
     """Both twins of each part must have the same parameters. Both ranks compare both
     parts, so they agree on the outcome and neither is left waiting in the bulk copy."""
-    ours = torch.cat([_fingerprint(mine), _fingerprint(dest)])
+    ours = torch.cat([_fingerprint(mine, device), _fingerprint(dest, device)])
     (theirs,) = _exchange([ours], [ours], peer, group)
-    expected = torch.cat([_fingerprint(dest), _fingerprint(mine)])
+    expected = torch.cat([_fingerprint(dest, device), _fingerprint(mine, device)])
     if not torch.equal(theirs, expected):
         raise ValueError(
             f"DualPipe twin mismatch with rank {peer}: (params, elements) of its two stages are "

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Callable, Sequence
 
+from ..cli import HelpFormatter
 from . import JSON_KEYS_HELP
 from .costs import Costs, parse_costs
 from .engine import SimResult, simulate
@@ -46,7 +47,7 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
                     "previous stage's F, B/I for the next stage's B/I, W for its I; an overlapped\n"
                     "F&B pair for the inputs of both halves.",
         epilog=JSON_KEYS_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print JSON (keys below) instead of a table")
@@ -59,7 +60,8 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_draw(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "draw", help="draw a simulated schedule (one row per rank) and/or write it as a Perfetto trace")
+        "draw", help="draw a simulated schedule (one row per rank) and/or write it as a Perfetto trace",
+        formatter_class=HelpFormatter)
     _add_common(p)
     p.add_argument("-o", "--output", help="picture file (.png, .svg, .pdf); needs matplotlib")
     p.add_argument("--trace", metavar="FILE", help="also write a Chrome/Perfetto trace (JSON)")

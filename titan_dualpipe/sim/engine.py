@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .._compat import B, F, I, OVERLAP_F_B, W, _Action
+from ..orders.dataflow import input_source
 from ..orders.lowering import leaf_actions
 from .costs import Costs
 from .schedules import Pipeline
@@ -95,20 +96,18 @@ def action_cost(action: _Action, costs: Costs) -> float:
 
 
 def _inputs(leaf: _Action, pipe: Pipeline) -> list[tuple[_Action, ...]]:
-    """What ``leaf`` waits for: a list of groups, each satisfied by any one of its actions."""
+    """What ``leaf`` waits for: a list of groups, each satisfied by any one of its actions
+    (its stage's own earlier work, and the source of its input)."""
     stage, mb, kind = leaf.stage_index, leaf.microbatch_index, leaf.computation_type
-    if kind == F:
-        prev = pipe.prev_stage(stage)
-        return [] if prev is None else [(_Action(prev, F, mb),)]
-    if kind in (B, I):
-        needs = [(_Action(stage, F, mb),)]
-        nxt = pipe.next_stage(stage)
-        if nxt is not None:
-            needs.append((_Action(nxt, B, mb), _Action(nxt, I, mb)))
-        return needs
+    if kind not in (F, B, I, W):
+        raise ValueError(f"{pipe.name}: cannot simulate {leaf}: only F, B, I, W and OVERLAP_F_B are timed.")
     if kind == W:
         return [(_Action(stage, I, mb),)]
-    raise ValueError(f"{pipe.name}: cannot simulate {leaf}: only F, B, I, W and OVERLAP_F_B are timed.")
+    needs = [(_Action(stage, F, mb),)] if kind in (B, I) else []
+    source = input_source(leaf, pipe)
+    if source is not None:
+        needs.append(tuple(_Action(source.stage, k, mb) for k in source.kinds))
+    return needs
 
 
 class _Run:

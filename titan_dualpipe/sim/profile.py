@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from ..cli import HelpFormatter
 from ..orders import Placement, canonical_name, placement
 from .costs import Costs
 from .engine import simulate
@@ -26,19 +27,44 @@ from .timeline import TimedAction, action_kind, draw_timeline, write_trace
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("profile", help="time a real CPU run per action; draw it; simulate with its costs")
+    p = subparsers.add_parser("profile", help="time a real CPU run per action; draw it; simulate with its costs",
+                              description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--schedule", default="DualPipeV", help="DualPipeV or DualPipe")
-    p.add_argument("--pp", type=int, default=2, help="pipeline ranks = local processes (default 2)")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="steps run; the last one is measured (default 3)")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks = local processes")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    p.add_argument("--steps", type=int, default=3, help="steps run; the last one is measured")
+    p.add_argument("--dim", type=int, default=128, help="TinyLM model width")
+    p.add_argument("--layers", type=int, default=8, help="TinyLM blocks, split over the stages")
+    p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--no-overlap", action="store_true", help="run pairs sequentially")
     p.add_argument("-o", "--output", help="picture of the measured timeline (png/svg/pdf; needs matplotlib)")
     p.add_argument("--trace", help="Chrome/Perfetto trace of the measured timeline")
     p.add_argument("--json", action="store_true", help="print costs and times as JSON")
     p.set_defaults(func=run)
+
+
+def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of torch's split backward (input part, weight part) of one microbatch on
+    ``stage``, a stage that is not its chain's first (there the weight part is the whole backward)."""
+    from .._compat import stage_backward_input, stage_backward_weight
+    from ..bench.model import lm_loss
+
+    module = stage.submod
+    samples = []
+    for _ in range(repeats):
+        h = torch.randn(x_rows, cfg["seq"], cfg["dim"], requires_grad=True)
+        out = module(h)
+        if place.is_last(stage.stage_index):
+            roots, grads = [lm_loss(out, torch.zeros(x_rows, cfg["seq"], dtype=torch.long))], None
+        else:
+            roots, grads = [out], [torch.ones_like(out)]
+        start = time.perf_counter()
+        _, groups = stage_backward_input(roots, grads, [h], module.parameters())
+        middle = time.perf_counter()
+        stage_backward_weight(module.parameters(), groups)
+        samples.append((middle - start, time.perf_counter() - middle))
+        module.zero_grad(set_to_none=True)
+    return statistics.median(i for i, _ in samples), statistics.median(w for _, w in samples)
 
 
 def _measure(cfg: dict) -> dict:
@@ -66,26 +92,38 @@ def _measure(cfg: dict) -> dict:
         step_time = time.perf_counter() - start
     times = [0.0] * place.pp_size
     dist.all_gather_object(times, step_time)
-    return {"timeline": schedule.collect_timeline(), "step_time": max(times)}
+    timeline = schedule.collect_timeline()
+    probe = next(s for s in stages if not place.is_first(s.stage_index))
+    split: list = [None] * place.pp_size
+    dist.all_gather_object(split, _split_backward_sample(probe, place, 4, cfg))
+    return {"timeline": timeline, "step_time": max(times), "split_backward": split}
 
 
-def costs_from(timeline: list[TimedAction], place: Placement) -> Costs:
+def costs_from(timeline: list[TimedAction], place: Placement,
+               split_samples: list[tuple[float, float]] | None = None) -> Costs:
     """Median duration of each action kind; a missing kind is derived from the others.
 
-    Split backwards on a chain's first stage are left out: there the I has no input
-    gradient to compute and the W runs the whole backward.
+    On a chain's first stage torch's split backward has no input gradient to compute, so its I
+    takes nothing and its W runs the whole backward: those count as full backwards. W then
+    comes from the other stages' W actions, or, where the schedule splits backwards on first
+    stages only (DualPipe at pp=2), from ``split_samples`` (each rank's (input, weight) seconds
+    of a split backward on a non-first stage) as their weight share of the measured B.
     """
     by_kind: dict[str, list[float]] = defaultdict(list)
     for event in timeline:
         kind = action_kind(event.action)
         if kind in ("I", "W") and place.is_first(event.action.stage_index):
+            if kind == "W":
+                by_kind["B"].append(event.end - event.start)
             continue
         by_kind[kind].append(event.end - event.start)
     median = {kind: statistics.median(d) for kind, d in by_kind.items()}
-    w = median.get("W", 0.0)
-    b = median.get("B", median.get("I", 0.0) + w)
-    f = median["F"]
-    return Costs(F=f, B=max(b, w), W=w, FB=median.get("F&B"))
+    b = median.get("B", median.get("I", 0.0) + median.get("W", 0.0))
+    w = median.get("W")
+    if w is None:
+        shares = [weight / (inp + weight) for inp, weight in split_samples or [] if inp + weight > 0]
+        w = b * statistics.median(shares) if shares else 0.0
+    return Costs(F=median["F"], B=max(b, w), W=w, FB=median.get("F&B"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
            "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap}
     measured = run_on_processes(_measure, args.pp, cfg)
     timeline = measured["timeline"]
-    costs = costs_from(timeline, placement(schedule, args.pp, args.microbatches))
+    costs = costs_from(timeline, placement(schedule, args.pp, args.microbatches), measured["split_backward"])
     predicted = simulate(pipeline_for(schedule, args.pp, args.microbatches), costs).makespan
     if args.output:
         place = placement(schedule, args.pp, args.microbatches)

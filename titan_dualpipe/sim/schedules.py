@@ -30,6 +30,7 @@ from .._compat import F, _Action
 from ..orders import SCHEDULES as OUR_SCHEDULES
 from ..orders import compute_order, placement
 from ..orders.csv_io import load_csv
+from ..orders.dataflow import Chains
 from ..orders.lowering import leaf_actions
 
 Order = dict[int, list[_Action]]
@@ -49,7 +50,7 @@ SCHEDULE_NAMES = tuple(TORCH_SCHEDULES) + tuple(OUR_SCHEDULES)
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class Pipeline(Chains):
     """A compute order (``{rank: [action]}``, compute actions only) and its stage chains."""
 
     name: str
@@ -68,22 +69,6 @@ class Pipeline:
     @cached_property
     def stage_rank(self) -> dict[int, int]:
         return _stage_ranks(self.order, self.name)
-
-    @cached_property
-    def _chain_position(self) -> dict[int, tuple[int, int]]:
-        return {stage: (c, i) for c, chain in enumerate(self.chains) for i, stage in enumerate(chain)}
-
-    def chain_of(self, stage: int) -> int:
-        return self._chain_position[stage][0]
-
-    def prev_stage(self, stage: int) -> int | None:
-        chain, i = self._chain_position[stage]
-        return self.chains[chain][i - 1] if i > 0 else None
-
-    def next_stage(self, stage: int) -> int | None:
-        chain, i = self._chain_position[stage]
-        members = self.chains[chain]
-        return members[i + 1] if i + 1 < len(members) else None
 
     @property
     def model_share(self) -> float:

@@ -1,28 +1,20 @@
 """Timelines: per-rank action records, drawn as a picture or written as a Chrome/Perfetto trace.
 
-A timeline is a list of :class:`TimedAction` ``(rank, action, start, end)``; the simulator
-produces one, and a measured run can record the same shape. :func:`draw_timeline` needs
+A timeline is a list of :class:`~titan_dualpipe.runtime.timeline.TimedAction` ``(rank, action,
+start, end)``; the simulator produces one, and a measured run records the same shape. :func:`draw_timeline` needs
 matplotlib (``pip install 'titan_dualpipe[plot]'``); :func:`write_trace` needs nothing.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable
 
 from .._compat import B, F, I, OVERLAP_F_B, W, _Action
 from ..orders.lowering import leaf_actions
+from ..runtime.timeline import TimedAction
 
 StageDirection = Callable[[int], int]
-
-
-class TimedAction(NamedTuple):
-    """One action (an ``OVERLAP_F_B`` pair counts as one) that ran on ``rank`` from ``start`` to ``end``."""
-
-    rank: int
-    action: _Action
-    start: float
-    end: float
 
 
 def action_label(action: _Action) -> str:

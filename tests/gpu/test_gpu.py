@@ -1,0 +1,263 @@
+"""On one GPU: the schedules, the overlap paths and FSDP2 with NCCL (a group of one rank).
+
+Skipped without CUDA. NCCL refuses two ranks on one GPU, so this is pp=1 (DualPipeV's two
+stages on one rank, overlapped pairs included); the multi-rank paths are proven on CPU by the
+rest of the suite with the same code. Run: ``python3 titan_dualpipe/bootstrap.py test tests/gpu``
+(the venv keeps the machine's CUDA torch). ``TITAN_DUALPIPE_GPU_TESTS_ON_CPU=1`` runs the
+same tests on the CPU with gloo, to work on them without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_dualpipe import ScheduleDualPipeV, compute_order, placement
+from titan_dualpipe._compat import runnable_on_gloo
+from titan_dualpipe.bench.model import lm_loss
+from titan_dualpipe.check.numerics import ATOL, RTOL, batch, build_pipeline, reference_step, train_and_compare
+from titan_dualpipe.orders.csv_io import write_csv
+from titan_dualpipe.orders.lowering import lower
+from titan_dualpipe.overlap import pair as pair_module
+from titan_dualpipe.overlap import relay as relay_module
+from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm
+from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from titan_dualpipe.runtime.comm_record import CommRecorder
+
+ON_CPU = os.environ.get("TITAN_DUALPIPE_GPU_TESTS_ON_CPU") == "1"
+pytestmark = pytest.mark.skipif(not (ON_CPU or torch.cuda.is_available()),
+                                reason="needs a CUDA GPU (or TITAN_DUALPIPE_GPU_TESTS_ON_CPU=1)")
+DEVICE = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
+MOE = MoEArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """This process as a one-rank group (NCCL on the GPU)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE,
+                                timeout=timedelta(seconds=120))
+    else:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=120))
+    yield
+    dist.destroy_process_group()
+
+
+def _group() -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_dualpipev_matches_the_reference(n):
+    result = train_and_compare("DualPipeV", 1, n, _group(), 0, device=DEVICE)
+    assert result["losses_checked"] == 2 * n and result["grad_err"] <= ATOL
+
+
+def test_torchs_dualpipev_matches_the_reference_too():
+    from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
+
+    def factory(stages, n, **kwargs):
+        return runnable_on_gloo(TorchDualPipeV(stages, n, **kwargs))
+
+    assert train_and_compare("DualPipeV", 1, 4, _group(), 0, device=DEVICE, factory=factory)["grad_err"] <= ATOL
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_every_collective_stays_on_the_gpu_and_deferred_receives_match(defer):
+    with CommRecorder(device=DEVICE) as recorder:
+        result = train_and_compare("DualPipeV", 1, 4, _group(), 0, device=DEVICE, defer_pp_recv=defer)
+    assert result["grad_err"] <= ATOL and recorder.events
+
+
+def test_fsdp2_on_a_mesh_of_one():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(DEVICE.type, (1,), mesh_dim_names=("dp",))
+    assert train_and_compare("DualPipeV", 1, 4, _group(), 0, device=DEVICE, fsdp_mesh=mesh)["grad_err"] <= ATOL
+
+
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+def test_csv_loaded_orders(tmp_path, fmt):
+    place = placement("DualPipeV", 1, 4)
+    order = compute_order("DualPipeV", 1, 4)
+    path = tmp_path / "order.csv"
+    with open(path, "w", newline="") as f:
+        write_csv(lower(order, place) if fmt == "compute_comms" else order, f)
+
+    def factory(stages, n, **kwargs):
+        sched = ScheduleDualPipeV(stages, n, **kwargs)
+        sched._load_csv(str(path), format=fmt)
+        return sched
+
+    assert train_and_compare("DualPipeV", 1, 4, _group(), 0, device=DEVICE, factory=factory)["grad_err"] <= ATOL
+
+
+def _two_steps(sched, modules, n: int) -> tuple[list, list]:
+    losses, grads = [], []
+    opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+    for step in range(2):
+        x, y = batch(step, n, device=DEVICE)
+        step_losses: list = []
+        sched.step(x, target=y, losses=step_losses)
+        losses += [loss.detach().clone() for loss in step_losses]
+        grads += [p.grad.detach().clone() for m in modules.values() for p in m.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def test_overlap_on_and_off_are_bitwise_equal():
+    runs = []
+    for overlap in (True, False):
+        _, modules, sched = build_pipeline("DualPipeV", 1, 6, _group(), 0, device=DEVICE, overlap=overlap)
+        runs.append(_two_steps(sched, modules, 6))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+class _Relayed(MoETransformer):
+    overlapped_forward_backward = None
+
+
+def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int):
+    """The MoE module on both stages of one rank; every exchange costs 0.5 ms of emulated network
+    (on the GPU: a sleep kernel on a side stream), so pairs interleave at real waits."""
+    torch.manual_seed(0)
+    reference = module_cls(MOE, activation_checkpoint=checkpoint)
+    parts = split_parts(copy.deepcopy(reference), 2)
+    comm = ExpertParallelComm(None, EmulatedNetwork(latency_s=5e-4))
+    for part in parts:
+        expert_parallel(part, comm)
+        part.to(DEVICE)
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [PipelineStage(parts[s], s, 2, DEVICE, group=_group()) for s in (0, 1)]
+    sched = ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap)
+    return reference.to(DEVICE), {0: parts[0], 1: parts[1]}, sched, comm
+
+
+@pytest.mark.parametrize("module_cls", [MoETransformer, _Relayed], ids=["protocol", "relay"])
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["no_ac", "ac"])
+def test_moe_overlap_matches_the_reference_and_is_bitwise_sequential(module_cls, checkpoint):
+    n = 4
+    runs = []
+    for overlap in (True, False):
+        reference, modules, sched, comm = _moe_pipeline(module_cls, checkpoint, overlap, n)
+        runs.append(_two_steps(sched, modules, n))
+        assert comm.stats.posted > 0
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1], strict=True):
+        assert torch.equal(a, b)
+    x, y = batch(0, n, device=DEVICE)
+    x = x % MOE.vocab_size
+    reference, modules, sched, _ = _moe_pipeline(module_cls, checkpoint, True, n)
+    losses: list = []
+    sched.step(x, target=y % MOE.vocab_size, losses=losses)
+    want = reference_step(reference, x, y % MOE.vocab_size, n, scale_grads=True)
+    torch.testing.assert_close(torch.tensor([loss.item() for loss in losses]), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    ref = dict(reference.named_parameters())
+    for module in modules.values():
+        for name, p in module.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name].grad, rtol=RTOL, atol=ATOL)
+
+
+class _Exchange(torch.autograd.Function):
+    """An exchange that records where each half runs when it hands over, forward and backward."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _Exchange.record("forward")
+        relay_module.hand_over()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _Exchange.record("backward")
+        relay_module.hand_over()
+        return grad.clone()
+
+    @staticmethod
+    def record(where: str) -> None:
+        stream = torch.cuda.current_stream() if DEVICE.type == "cuda" else None
+        device = torch.cuda.current_device() if DEVICE.type == "cuda" else None
+        _Exchange.seen.append((where, threading.current_thread().name, device, stream))
+
+
+class _ProbeStage(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.b(_Exchange.apply(torch.tanh(self.a(h))))
+
+
+def test_relay_halves_switch_on_the_right_device_and_stream():
+    """A pair's forward half (this thread) and backward half (a helper thread; on CUDA the
+    autograd device thread) both hand over, each on the device and stream the pair started
+    on; results bitwise equal to sequential pairs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    runs, hand_overs = [], []
+    run_relayed = pair_module.run_relayed
+
+    def counted(forward_half, backward_half):
+        relay = run_relayed(forward_half, backward_half)
+        hand_overs.append(relay.hand_overs)
+        return relay
+
+    pair_module.run_relayed = counted
+    try:
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            stages_modules = {s: _ProbeStage(16).to(DEVICE) for s in (0, 1)}
+            stages = [PipelineStage(m, s, 2, DEVICE, group=_group()) for s, m in stages_modules.items()]
+
+            def loss_fn(out, target):
+                return (out - target).pow(2).mean()
+
+            sched = ScheduleDualPipeV(stages, 4, loss_fn=loss_fn, overlap=overlap)
+            _Exchange.seen.clear()
+            x = torch.randn(8, 16, device=DEVICE)
+            losses: list = []
+            sched.step(x, target=torch.zeros(8, 16, device=DEVICE), losses=losses)
+            runs.append([loss.detach() for loss in losses] + [p.grad.clone() for m in stages_modules.values()
+                                                                for p in m.parameters()])
+            if overlap:
+                seen = list(_Exchange.seen)
+    finally:
+        pair_module.run_relayed = run_relayed
+    assert sum(hand_overs) > 0, "no pair switched halves"
+    assert {s[1] for s in seen if s[0] == "backward"} - {threading.current_thread().name}, "backward never left this thread"
+    main_stream = torch.cuda.current_stream() if DEVICE.type == "cuda" else None
+    for where, thread, device, stream in seen:
+        assert stream == main_stream and device == (DEVICE.index if DEVICE.type == "cuda" else None), (where, thread)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bench_overlap_runs_on_this_device():
+    """The one-GPU overlap benchmark (README figures come from a longer run of it)."""
+    from titan_dualpipe.bench.overlap import measure
+
+    cfg = dict(pp=1, ep=1, device=DEVICE.type, rounds=1, steps=1, microbatches=4, layers=2, dim=32, seq=16,
+               experts=4, comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
+    result = measure(cfg)
+    for name in ("overlap", "overlap_relay", "sequential", "torch_dualpipev"):
+        assert result[f"step_time_{name}"] > 0 and result[f"exposed_comm_{name}"] >= 0

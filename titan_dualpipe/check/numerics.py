@@ -1,0 +1,156 @@
+"""Pipelined training against a single-process reference, on any device and backend.
+
+Each rank builds the reference model (the whole TinyLM) and its own pipeline stages from the
+same seed, trains ``steps`` steps with an Adam step between, and compares every microbatch
+loss and every parameter gradient of its stages with the reference (``RTOL``, ``ATOL``);
+DualPipe's twin copies must end bit-identical. Used by the test suite, by ``titan-dualpipe
+check`` on a user's machine, and by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
+from .._compat import _format_pipeline_order
+from ..bench.model import TinyLM, lm_loss, split_model
+from ..orders import Placement
+
+SCHEDULES: dict[str, type] = {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}
+RTOL, ATOL = 1e-5, 4e-5
+VOCAB, SEQ, MB_SIZE = 64, 8, 2
+
+
+def batch(step: int, n: int, dp_index: int = 0, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch of ``n`` microbatches for data-parallel replica ``dp_index``."""
+    g = torch.Generator().manual_seed(1000 * step + dp_index)
+    x = torch.randint(0, VOCAB, (n * MB_SIZE, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (n * MB_SIZE, SEQ), generator=g)
+    return x.to(device), y.to(device)
+
+
+def reference_step(model: TinyLM, x: torch.Tensor, y: torch.Tensor, n: int, scale_grads: bool) -> list[float]:
+    """Per-microbatch losses; accumulates the gradient of their mean (or sum) into model."""
+    losses = [lm_loss(model(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))]
+    total = torch.stack(losses).sum()
+    (total / n if scale_grads else total).backward()
+    return [loss.item() for loss in losses]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2) gathered, any other tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+ScheduleFactory = Callable[..., Any]
+
+
+def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
+                   device: torch.device | str = "cpu", perturb_twins: bool = True, fsdp_mesh: Any = None,
+                   factory: ScheduleFactory | None = None, **schedule_kwargs: Any):
+    """Reference model, this rank's two stage modules ``{stage: module}``, and the schedule.
+
+    ``factory(stages, n, **kwargs)`` builds the schedule (default: our class for ``schedule``).
+    DualPipe's direction-1 copies start perturbed, so the first step must make twins equal.
+    """
+    device = torch.device(device)
+    torch.manual_seed(0)
+    place = placement(schedule, pp, n)
+    n_parts = place.num_stages if schedule == "DualPipeV" else pp
+    full_model = TinyLM(vocab=VOCAB, dim=16, layers=max(n_parts, 2), heads=2)
+    parts = split_model(full_model, n_parts)
+    modules = {s: copy.deepcopy(parts[place.model_part(s)]).to(device) for s in place.stages_of(pp_rank)}
+    if perturb_twins and place.bidirectional:
+        with torch.no_grad():
+            for p in modules[place.stages_of(pp_rank)[1]].parameters():
+                p.add_(0.5)
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in modules.values():
+            for layer in module.layers.values():
+                fully_shard(layer, mesh=fsdp_mesh)
+            fully_shard(module, mesh=fsdp_mesh)
+    stages = [PipelineStage(modules[s], s, place.num_stages, device, group=group) for s in place.stages_of(pp_rank)]
+    build = factory or SCHEDULES[schedule]
+    return full_model.to(device), modules, build(stages, n, loss_fn=lm_loss, **schedule_kwargs)
+
+
+def grad_error(modules: dict[int, torch.nn.Module], reference: TinyLM, label: str) -> float:
+    """Largest gradient difference to the reference; AssertionError beyond ``RTOL``/``ATOL``."""
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for s, module in modules.items():
+        for name, p in module.named_parameters():
+            assert p.grad is not None, f"{label}: stage {s} {name} has no gradient"
+            got, want = full(p.grad), ref[name].grad
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: stage {s} {name}: {m}")
+            worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def twins_identical(modules: dict[int, torch.nn.Module], place: Placement, group: dist.ProcessGroup | None) -> int:
+    """Gather both copies of every DualPipe part and require bitwise equality; the part count."""
+    mine = {s: [full(p).detach().cpu() for p in m.parameters()] for s, m in modules.items()}
+    everyone: list = [None] * place.pp_size
+    dist.all_gather_object(everyone, mine, group=group)
+    copies: dict[int, list] = {}
+    for stages in everyone:
+        for s, tensors in stages.items():
+            copies.setdefault(place.model_part(s), []).append(tensors)
+    for part, (a, b) in copies.items():
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), f"twins of part {part} differ by {(x - y).abs().max().item()}"
+    return len(copies)
+
+
+def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
+                      dp_index: int = 0, dp_size: int = 1, device: torch.device | str = "cpu", fsdp_mesh: Any = None,
+                      scale_grads: bool = True, steps: int = 2, factory: ScheduleFactory | None = None,
+                      **schedule_kwargs: Any) -> dict[str, Any]:
+    """``steps`` training steps with Adam between, checked against the reference on every rank.
+
+    Data-parallel replicas (``dp_size`` > 1, FSDP over ``fsdp_mesh``) see different batches; the
+    reference averages their gradients. Returns ``grad_err``, ``loss_err``, ``losses_checked``
+    and, for DualPipe, ``twin_parts``; raises AssertionError (with the order) on a mismatch.
+    """
+    reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, device=device, fsdp_mesh=fsdp_mesh,
+                                               factory=factory, scale_grads=scale_grads, **schedule_kwargs)
+    place = placement(schedule, pp, n)
+    opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    holds_loss = any(place.is_last(s) for s in modules)
+    result: dict[str, Any] = {"grad_err": 0.0, "loss_err": 0.0, "losses_checked": 0}
+    try:
+        for step in range(steps):
+            x, y = batch(step, n, dp_index, device)
+            losses: list = []
+            sched.step(x, target=y, losses=losses) if place.feeds_batch(pp_rank) else sched.step()
+            want_losses: list[float] = []
+            for d in range(dp_size):  # data parallelism averages the gradient over replicas
+                dl = reference_step(reference, *batch(step, n, d, device), n, scale_grads)
+                want_losses = dl if d == dp_index else want_losses
+            if dp_size > 1:
+                for p in reference.parameters():
+                    p.grad /= dp_size
+            if holds_loss:
+                got = [loss.item() for loss in losses]
+                assert len(got) == n, f"expected {n} losses, got {len(got)}"
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want_losses), rtol=RTOL, atol=ATOL)
+                result["loss_err"] = max(result["loss_err"], max(abs(a - b) for a, b in zip(got, want_losses)))
+                result["losses_checked"] += n
+            result["grad_err"] = max(result["grad_err"], grad_error(modules, reference, f"step {step}"))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        if place.bidirectional:
+            result["twin_parts"] = twins_identical(modules, place, group)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{schedule} pp={pp} n={n}, pipeline rank {pp_rank}; order:\n"
+                             f"{_format_pipeline_order(sched.pipeline_order)}") from None
+    return result

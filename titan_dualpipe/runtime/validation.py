@@ -1,0 +1,131 @@
+"""What a schedule checks before any pipeline traffic: its stages at construction, the inputs of
+every ``step()``. Each check returns this rank's problem as text ('' for none); the schedule
+then agrees on them across ranks (:mod:`.agreement`), so every rank raises the same error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.utils._pytree import tree_flatten
+
+from .._compat import COMPILED_SPLIT_BACKWARD_WORKS, _PipelineStageBase
+from ..orders.placement import Placement, check_requirements
+
+
+def stage_problem(name: str, stages: Any) -> str:
+    """Stage lists that cannot form this rank's part of the schedule."""
+    if not isinstance(stages, (list, tuple)) or len(stages) != 2:
+        count = len(stages) if isinstance(stages, (list, tuple)) else type(stages).__name__
+        return (f"{name} needs exactly two stages per rank, got {count}: pass "
+                "[PipelineStage(stage_index=r), PipelineStage(stage_index=2*pp-1-r)] on rank r")
+    pp, rank = stages[0].group_size, stages[0].group_rank
+    expected = [rank, 2 * pp - 1 - rank]
+    ids = [s.stage_index for s in stages]
+    totals = [s.num_stages for s in stages]
+    if sorted(ids) != expected or any(t != 2 * pp for t in totals):
+        return (f"{name} on rank {rank} of {pp} needs stages {expected} with num_stages={2 * pp}; got stage ids "
+                f"{ids} with num_stages {totals}. Rank r holds stages r and 2*pp-1-r (V placement)")
+    return ""
+
+
+def _compiled_modules(module: torch.nn.Module) -> list[str]:
+    """Names of the torch.compile'd modules inside ``module`` (wrapped, or compiled in place)."""
+    return [name or "<stage module>" for name, m in module.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def compiled_problem(name: str, stages: list[_PipelineStageBase]) -> str:
+    """Compiled stage modules, while torch cannot split their backward (pytorch#161904)."""
+    if COMPILED_SPLIT_BACKWARD_WORKS:
+        return ""
+    for stage in stages:
+        compiled = _compiled_modules(stage.submod)
+        if compiled:
+            shown = ", ".join(compiled[:4]) + (", ..." if len(compiled) > 4 else "")
+            return (f"{name}: stage {stage.stage_index} contains torch.compile'd modules ({shown}); the schedule's "
+                    f"split backward (I, then W) cannot run through compiled graphs on torch {torch.__version__} "
+                    "(pytorch#161904). Build the stages from uncompiled modules (torchtitan: [compile] enable = "
+                    'false, or components = ["loss"])')
+    return ""
+
+
+def requirements_problem(name: str, pp: int, n_microbatches: int) -> str:
+    try:
+        check_requirements(name, pp, n_microbatches)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def batch_size(args: tuple, kwargs: dict, args_chunk_spec: Any = None) -> int | None:
+    """Size of the whole batch along the split dimension (the first tensor input's), or None."""
+    for i, value in enumerate(args):
+        leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        if leaves:
+            dim = args_chunk_spec[i].split_dim if args_chunk_spec is not None and i < len(args_chunk_spec) else 0
+            return leaves[0].shape[dim]
+    leaves = [t for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor)]
+    return leaves[0].shape[0] if leaves else None
+
+
+def _divisors_at_least(size: int, low: int) -> list[int]:
+    return [d for d in range(low, size + 1) if size % d == 0]
+
+
+def step_inputs_problem(schedule: Any, args: tuple, kwargs: dict, target: Any, arg_mbs: Any, kwarg_mbs: Any,
+                        target_mbs: Any) -> tuple[str, int]:
+    """This rank's problem with its ``step()`` inputs, and its whole-batch size (-1: none, or pre-split)."""
+    place: Placement = schedule.placement
+    name, rank, n = place.schedule, schedule.rank, schedule._n_microbatches
+    local = [s.stage_index for s in schedule._stages]
+    firsts = [s for s in local if place.is_first(s)]
+    lasts = [s for s in local if place.is_last(s)]
+    pre_split = any(m is not None for m in (arg_mbs, kwarg_mbs, target_mbs))
+    if pre_split:
+        if args or kwargs or target is not None:
+            return (f"rank {rank} passed whole-batch inputs together with arg_mbs/kwarg_mbs/target_mbs: pass one "
+                    "or the other"), -1
+        for label, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
+            if mbs is not None and (not isinstance(mbs, list) or len(mbs) != n):
+                got = len(mbs) if isinstance(mbs, list) else type(mbs).__name__
+                return f"rank {rank}: {label} needs one entry per microbatch, a list of {n}; got {got}", -1
+    feeds = bool(args or kwargs or arg_mbs is not None or kwarg_mbs is not None)
+    if firsts and not feeds:
+        return (f"rank {rank} holds first stage {firsts[0]} of {name} and must pass the whole-batch inputs: "
+                "schedule.step(x, target=y)"), -1
+    if lasts and schedule._has_backward and schedule._loss_fn is not None and target is None and target_mbs is None:
+        return (f"rank {rank} holds last stage {lasts[0]} of {name} and computes the loss: pass target= to "
+                "step()"), -1
+    if pre_split:
+        return "", -1
+    size = batch_size(args, kwargs, schedule._args_chunk_spec) if feeds else None
+    for label, value in (("inputs", size), ("target", target.shape[0] if isinstance(target, torch.Tensor) else None)):
+        if value is not None and value % n:
+            low = 2 * place.pp_size
+            return (f"rank {rank}: the batch has {value} samples (dim 0 of the {label}), not a multiple of "
+                    f"n_microbatches={n}: pass a batch of a multiple of {n} samples (e.g. {n * max(1, value // n)}),"
+                    f" or use a microbatch count >= {low} that divides {value} "
+                    f"({_divisors_at_least(value, low)[:6] or 'none'})"), -1
+    if size is not None and isinstance(target, torch.Tensor) and target.shape[0] != size:
+        return (f"rank {rank}: the inputs have {size} samples but the target {target.shape[0]}: pass the target "
+                "of the same batch"), -1
+    return "", -1 if size is None else size
+
+
+def cross_rank_problem(place: Placement, table: torch.Tensor) -> str:
+    """Problems only visible across ranks, from every rank's ``[problem, holds_last, passes_target,
+    batch size]`` row (the same on every rank, so every rank finds the same)."""
+    holds_last = [r for r in range(place.pp_size) if table[r, 1]]
+    with_target = [r for r in holds_last if table[r, 2]]
+    if with_target and len(with_target) != len(holds_last):
+        return (f"{place.schedule}: {len(with_target)} of the {len(holds_last)} ranks holding a last stage passed "
+                f"target=; pass it on all of them (ranks {holds_last}) or on none")
+    sizes = {r: int(table[r, 3]) for r in range(place.pp_size) if table[r, 3] >= 0}
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"rank {r}: {s} samples" for r, s in sizes.items())
+        return (f"{place.schedule}: the ranks that pass the batch pass different ones ({shown}); "
+                + ("each direction takes half of the microbatches from its end, and both ends pass the whole batch: "
+                   "pass the same batch on ranks 0 and pp-1" if place.bidirectional else "pass one batch"))
+    return ""
