@@ -386,3 +386,37 @@ def killed_mid_step(schedule: str, pp: int, n: int, victim: int, group_timeout_s
     except Exception as err:  # noqa: BLE001 - the test inspects what each rank raised
         return {"raised": f"{type(err).__name__}: {err}", "elapsed_s": time.monotonic() - start}
     return {"raised": "", "elapsed_s": time.monotonic() - start}
+
+
+def folded_twins(pp: int, n: int, steps: int = 2) -> dict:
+    """DualPipe with FSDP2 over twins x replicas (the two copies of a part are one sharded
+    parameter): numerics against the reference, and this rank's posted communication."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // pp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_index = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    fold = None
+    for r in range(pp // 2):  # every rank creates every group, in the same order
+        ranks = sorted(p * dp + d for p in (r, pp - 1 - r) for d in range(dp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            fold = DeviceMesh.from_group(group, "cpu")
+    seen: list = []
+
+    def factory(stages, n, **kwargs):
+        for module in (m for s in stages for m in s.submod.modules() if isinstance(m, FSDPModule)):
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        sched = SCHEDULES["DualPipe"](stages, n, **kwargs)
+        seen.append(sched.fsdp_at_step_edges)
+        return sched
+
+    with CommRecorder(device=torch.device("cpu")) as recorder:
+        result = train_and_compare("DualPipe", pp, n, mesh["pp"].get_group(), pp_rank, fsdp_mesh=fold,
+                                   dp_index=dp_index, dp_size=dp, steps=steps, factory=factory,
+                                   perturb_twins=False)  # folded twins are one parameter: nothing to make equal
+    return {**result, "folded": seen == [True], "rank": rank, "events": recorder.events}

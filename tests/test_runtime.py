@@ -153,3 +153,16 @@ def test_a_killed_rank_is_named_by_every_other_rank(schedule, pp, n):
         assert ok and result["raised"].startswith("PeerFailed: "), (rank, result)
         assert "pipeline rank 1 (global rank 1)" in result["raised"], (rank, result)
         assert result["elapsed_s"] < GROUP_TIMEOUT_S + 15, (rank, result)
+
+
+@pytest.mark.parametrize("pp,n", [(2, 4), (4, 8)])  # fold groups: all 4 ranks; {0, 3} and {1, 2}
+def test_twins_folded_into_fsdp(pool, pp, n):
+    """FSDP2 over twins x replicas: the twins are one sharded parameter, FSDP's reduce-scatter
+    sums their gradients (no twin exchange); losses and every gradient match the reference,
+    and every rank's FSDP collectives line up with its fold group's (NCCL's semantics)."""
+    from titan_dualpipe.orders.nccl_model import check_completes
+
+    ran = _ran(pool.run(cases.folded_twins, pp=pp, n=n))
+    assert all(r["folded"] for r in ran) and len(ran) == WORLD
+    assert max(r["grad_err"] for r in ran) <= cases.ATOL and all(r["twin_parts"] == pp for r in ran)
+    check_completes({r["rank"]: r["events"] for r in ran})

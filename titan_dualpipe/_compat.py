@@ -171,6 +171,17 @@ def runnable_on_gloo(schedule: PipelineScheduleMulti) -> PipelineScheduleMulti:
     return schedule
 
 
+def fsdp_gradient_divide_factors(module: Any) -> list[float | None]:
+    """The gradient divide factor of each FSDP2 parameter group of ``module`` (None: FSDP's
+    default, the mean over its mesh). FSDP keeps one group per module before torch 2.13
+    (``_fsdp_param_group``), a list from 2.13 on (``_fsdp_param_groups``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return [group.gradient_divide_factor for group in groups]
+
+
 def default_store() -> dist.Store:
     """The default process group's key-value store."""
     return dist.distributed_c10d._get_default_store()
@@ -301,6 +312,7 @@ __all__ = [
     "agreed_inference_mode",
     "check_torch_version",
     "default_store",
+    "fsdp_gradient_divide_factors",
     "get_schedule_class",
     "initialize_stages",
     "input_grads",

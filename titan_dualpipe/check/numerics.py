@@ -64,7 +64,9 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
     n_parts = place.num_stages if schedule == "DualPipeV" else pp
     full_model = TinyLM(vocab=VOCAB, dim=16, layers=max(n_parts, 2), heads=2)
     parts = split_model(full_model, n_parts)
-    modules = {s: copy.deepcopy(parts[place.model_part(s)]).to(device) for s in place.stages_of(pp_rank)}
+    # in model-part order: full-tensor gathers of folded twins then run in the same order on every rank
+    modules = {s: copy.deepcopy(parts[place.model_part(s)]).to(device)
+               for s in sorted(place.stages_of(pp_rank), key=place.model_part)}
     if perturb_twins and place.bidirectional:
         with torch.no_grad():
             for p in modules[place.stages_of(pp_rank)[1]].parameters():
@@ -112,7 +114,7 @@ def twins_identical(modules: dict[int, torch.nn.Module], place: Placement, group
 def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                       dp_index: int = 0, dp_size: int = 1, device: torch.device | str = "cpu", fsdp_mesh: Any = None,
                       scale_grads: bool = True, steps: int = 2, factory: ScheduleFactory | None = None,
-                      **schedule_kwargs: Any) -> dict[str, Any]:
+                      perturb_twins: bool = True, **schedule_kwargs: Any) -> dict[str, Any]:
     """``steps`` training steps with Adam between, checked against the reference on every rank.
 
     Data-parallel replicas (``dp_size`` > 1, FSDP over ``fsdp_mesh``) see different batches; the
@@ -120,7 +122,8 @@ def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup |
     and, for DualPipe, ``twin_parts``; raises AssertionError (with the order) on a mismatch.
     """
     reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, device=device, fsdp_mesh=fsdp_mesh,
-                                               factory=factory, scale_grads=scale_grads, **schedule_kwargs)
+                                               perturb_twins=perturb_twins, factory=factory, scale_grads=scale_grads,
+                                               **schedule_kwargs)
     place = placement(schedule, pp, n)
     opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)

@@ -12,6 +12,9 @@ from collections import deque
 from typing import Iterable
 
 from .._compat import (
+    REDUCE_GRAD,
+    RESHARD,
+    UNSHARD,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -127,17 +130,36 @@ def insert_send_recv(order: dict[int, list[_Action]], place: Placement) -> Order
 
 
 def lower(
-    order: dict[int, list[_Action]], place: Placement, *, defer_recv: bool = False
+    order: dict[int, list[_Action]], place: Placement, *, defer_recv: bool = False,
+    fsdp_at_step_edges: bool = False,
 ) -> Order:
-    """Compute-only order -> the compute+comms order the runtime executes."""
+    """Compute-only order -> the compute+comms order the runtime executes.
+
+    FSDP actions go where torch puts them (UNSHARD before a stage's first action, RESHARD after
+    its last, REDUCE_GRAD after its last backward), or, with ``fsdp_at_step_edges``, all at the
+    step's edges in model-part order (:func:`fsdp_at_step_edges`).
+    """
     validate_order(order, place)
     per_stage = place.microbatches_per_stage()
-    with_fsdp = {
-        rank: _add_reduce_grad(_add_unshard_reshard(list(actions)), per_stage)
-        for rank, actions in order.items()
-    }
+    if fsdp_at_step_edges:
+        with_fsdp = {rank: _fsdp_at_step_edges(list(actions), place, rank) for rank, actions in order.items()}
+    else:
+        with_fsdp = {
+            rank: _add_reduce_grad(_add_unshard_reshard(list(actions)), per_stage)
+            for rank, actions in order.items()
+        }
     lowered = insert_send_recv(with_fsdp, place)
     return defer_recvs(lowered, place) if defer_recv else lowered
+
+
+def _fsdp_at_step_edges(actions: list[_Action], place: Placement, rank: int) -> list[_Action]:
+    """UNSHARD every stage first and REDUCE_GRAD, then RESHARD, every stage last, in model-part
+    order. Ranks that shard one model part together (DualPipe twins folded into FSDP: the two
+    copies of a part live on ranks r and pp-1-r, which compute on it at different times) then
+    issue their FSDP collectives in the same order, at the same points of their steps."""
+    stages = sorted(place.stages_of(rank), key=place.model_part)
+    return ([_Action(s, UNSHARD, None) for s in stages] + actions
+            + [_Action(s, REDUCE_GRAD, None) for s in stages] + [_Action(s, RESHARD, None) for s in stages])
 
 
 def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:

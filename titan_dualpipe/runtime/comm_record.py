@@ -31,8 +31,11 @@ import torch.distributed.distributed_c10d as c10d
 from .._compat import _Action
 from ..orders.nccl_model import RECV, SEND, Collective, Event, P2P, Post, Wait, group_comm, pair_comm
 
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "all_to_all_single", "barrier", "reduce_scatter", "all_to_all")
+# FSDP2 gathers and reduces with all_gather_single / reduce_scatter_single from torch 2.13 on
+_COLLECTIVES = tuple(name for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                                       "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                                       "all_to_all_single", "barrier", "reduce_scatter", "all_to_all")
+                     if hasattr(c10d, name))
 _NAMESPACES = (dist, c10d)
 
 

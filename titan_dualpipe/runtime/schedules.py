@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from .._compat import (
     PipelineStage,
@@ -31,7 +32,7 @@ from .executor import StepExecutor
 from .failures import schedule_scope, step_scope
 from .p2p import swap
 from .pairs import PairRunner, pair_runner
-from .twins import copy_to_twin, sum_twin_grads
+from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
 
 
@@ -105,8 +106,13 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
         self.pair_runner: PairRunner = pair_runner(overlap)
+        self.fsdp_at_step_edges = self._folds_twins()
         self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
+
+    def _folds_twins(self) -> bool:
+        """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""
+        return False
 
     # -- schedule IR -------------------------------------------------------------------------
     def _validate_and_set_stage_mapping(self, actions: dict) -> None:
@@ -116,7 +122,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     def _prepare_schedule_with_comms(self, actions: dict, format: str = "compute_only") -> None:
         """Lower a compute-only order with our chain-aware passes, or take a compute_comms one as is."""
         if format == "compute_only":
-            self.pipeline_order_with_comms = lower(actions, self.placement, defer_recv=self._defer_pp_recv)
+            self.pipeline_order_with_comms = lower(actions, self.placement, defer_recv=self._defer_pp_recv,
+                                                   fsdp_at_step_edges=self.fsdp_at_step_edges)
         elif format == "compute_comms":
             compute = {r: [a for a in acts if a is not None and a.is_compute_op] for r, acts in actions.items()}
             validate_order(compute, self.placement)
@@ -180,6 +187,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                            return_outputs=True, loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
+        self._before_stage_init()
         initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         self._before_first_step()
         scope = step_scope(self._failure_scope, self._steps_run)
@@ -203,6 +211,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         everyone: list[list[TimedAction]] = [[] for _ in range(self.pp_group_size)]
         dist.all_gather_object(everyone, list(self.timeline), group=self._stages[0].group)
         return [event for events in everyone for event in events]
+
+    def _before_stage_init(self) -> None:
+        """Hook run before torch's stage initialisation (whose shape inference runs forwards)."""
 
     def _before_first_step(self) -> None:
         """Hook run after stage initialisation, before the first action of every step."""
@@ -250,6 +261,13 @@ class ScheduleDualPipe(_DualPipeFamily):
     outside the optimizer), and ``step()`` sums their gradients, so both copies hold the
     full-batch gradient and one optimizer step on every rank keeps them identical.
     Needs an even ``pp``, an even ``n_microbatches`` and ``n_microbatches >= 2*pp``.
+
+    Folded twins: when both stage modules are FSDP2-sharded over a mesh that holds the twin
+    rank too (ranks r and pp-1-r times the data-parallel replicas), the two copies are one
+    sharded parameter: nothing to copy, FSDP's reduce-scatter sums the twins' gradients (no
+    second exchange), optimizer state and sharded weights take half the memory. FSDP then
+    gathers both parts at the step's start and reduces them at its end, in part order, on
+    every rank of the mesh (``fsdp_at_step_edges``).
     """
 
     schedule_name = "DualPipe"
@@ -271,10 +289,29 @@ class ScheduleDualPipe(_DualPipeFamily):
         twin = self.placement.twin_rank(self.rank)
         return dist.get_global_rank(self._group, twin) if self._group is not None else twin
 
+    def _folds_twins(self) -> bool:
+        modules = [s.submod for s in self._stages]
+        if not folded_into_fsdp(modules, self._twin_peer()):
+            return False
+        prepare_folded(modules)
+        return True
+
+    def _before_stage_init(self) -> None:
+        # Folded twins: gather both parts now, in part order, as every rank of the fold group
+        # does; torch's shape inference would otherwise gather them inside its forwards, at
+        # points the twin rank (waiting for shapes from a neighbour) does not reach in step.
+        if self.fsdp_at_step_edges:
+            for stage in sorted(self._stages, key=lambda s: self.placement.model_part(s.stage_index)):
+                for module in stage.submod.modules():
+                    if isinstance(module, FSDPModule):
+                        module.unshard()
+
     def sync_twin_weights(self) -> None:
-        """Copy each direction-0 part onto its direction-1 twin (collective over twin pairs)."""
-        near, far = self._stages  # sorted: direction-0 stage r, direction-1 stage 2pp-1-r
-        copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group, near.device)
+        """Copy each direction-0 part onto its direction-1 twin (collective over twin pairs;
+        nothing to do when the twins are folded into FSDP: they are one parameter)."""
+        if not self.fsdp_at_step_edges:
+            near, far = self._stages  # sorted: direction-0 stage r, direction-1 stage 2pp-1-r
+            copy_to_twin(near.submod, far.submod, self._twin_peer(), self._group, near.device)
         self._twins_synced = True
 
     def _before_first_step(self) -> None:
@@ -282,7 +319,7 @@ class ScheduleDualPipe(_DualPipeFamily):
             self.sync_twin_weights()
 
     def _after_step(self, executor: StepExecutor) -> None:
-        if self._has_backward:
+        if self._has_backward and not self.fsdp_at_step_edges:  # folded: FSDP's reduction summed them
             parts = {self.placement.model_part(s.stage_index): s.submod for s in self._stages}
             sum_twin_grads(parts, self._twin_peer(), self._group)
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .._compat import fsdp_gradient_divide_factors
 from .p2p import swap
 
 
@@ -46,6 +47,34 @@ def _exchange(
         for i, chunk in zip(idx, buf.split([recv_like[i].numel() for i in idx])):
             received[i] = chunk.view_as(recv_like[i])
     return received
+
+
+def folded_into_fsdp(modules: list[nn.Module], twin_rank: int) -> bool:
+    """Whether every module is FSDP2-sharded over a one-dimensional mesh whose ranks include
+    global rank ``twin_rank``: the two copies of each part are then one sharded parameter
+    (twins folded into data parallelism) and FSDP's reduction sums them."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            return False
+        param = next((p for p in module.parameters() if hasattr(p, "device_mesh")), None)
+        if param is None or param.device_mesh.ndim != 1:
+            return False
+        if twin_rank not in dist.get_process_group_ranks(param.device_mesh.get_group()):
+            return False
+    return True
+
+
+def prepare_folded(modules: list[nn.Module]) -> None:
+    """Folded twins: parameters stay gathered from the step's start to its end (the twins use a
+    part at different times, so FSDP's collectives cannot follow the compute), and the
+    reduction sums the twins: FSDP's default mean over its mesh (twins x replicas) becomes a
+    mean over the replicas. An explicit divide factor (torchtitan's, say) is kept."""
+    for module in modules:
+        for fsdp_module in (m for m in module.modules() if isinstance(m, FSDPModule)):
+            fsdp_module.set_reshard_after_forward(False, recurse=False)
+            if any(f is None for f in fsdp_gradient_divide_factors(fsdp_module)):
+                mesh_size = next(p for p in module.parameters() if hasattr(p, "device_mesh")).device_mesh.size()
+                fsdp_module.set_gradient_divide_factor(mesh_size / 2)
 
 
 def _params_by_part(modules_by_part: dict[int, nn.Module]) -> list[nn.Parameter]:
