@@ -291,10 +291,16 @@ class ScheduleDualPipe(_DualPipeFamily):
 
     def _folds_twins(self) -> bool:
         modules = [s.submod for s in self._stages]
-        if not folded_into_fsdp(modules, self._twin_peer()):
-            return False
-        prepare_folded(modules)
-        return True
+        folded = folded_into_fsdp(modules, self._twin_peer())
+        table = agree("", self._stages[0].group, self._stages[0].device, facts=[int(folded)])
+        if table[:, 1].any() and not table[:, 1].all():  # half-folded pipelines would misalign FSDP's collectives
+            ranks = [r for r in range(len(table)) if table[r, 1]]
+            raise ValueError(f"DualPipe: the twins of pipeline ranks {ranks} are folded into FSDP (each part sharded "
+                             "over a mesh holding its twin rank), those of the other ranks are not; shard every "
+                             "part over twins x replicas, or every part over replicas only")
+        if folded:
+            prepare_folded(modules)
+        return folded
 
     def _before_stage_init(self) -> None:
         # Folded twins: gather both parts now, in part order, as every rank of the fold group
