@@ -327,3 +327,35 @@ def relayed_all_to_all_matches_torch() -> dict:
         results.append((out.detach().clone(), grad))
     (a, ga), (b, gb) = results
     return {"forward_equal": torch.equal(a, b), "backward_equal": torch.equal(ga, gb), "rows": a.shape[0]}
+
+
+def relayed_exchange_emulated_cost(seconds: float = 0.2) -> dict:
+    """An emulated network cost on relayed exchanges: alone, each exchange takes ``seconds`` and
+    all of it is exposed; as the forward half of a relayed pair whose backward half computes
+    meanwhile, the cost hides behind that compute. Same bits either way."""
+    from titan_dualpipe.overlap.comm import emulate_relayed_exchanges, relayed_all_to_all_single
+    from titan_dualpipe.overlap.relay import run_relayed
+
+    group = topology().ep_group
+    x = torch.arange(8.0).reshape(4, 2) + dist.get_rank()
+    plain = relayed_all_to_all_single(x, None, None, group)
+    cost = emulate_relayed_exchanges(seconds)
+    try:
+        start = time.perf_counter()
+        alone = relayed_all_to_all_single(x, None, None, group)
+        alone_s, alone_exposed = time.perf_counter() - start, cost.stats.waited_s
+        got: list = []
+
+        def busy() -> None:  # the partner half: compute for most of the exchange's cost
+            end = time.perf_counter() + 0.75 * seconds
+            while time.perf_counter() < end:
+                torch.ones(64, 64) @ torch.ones(64, 64)
+
+        start = time.perf_counter()
+        run_relayed(lambda: got.append(relayed_all_to_all_single(x, None, None, group)), busy)
+        paired_s, paired_exposed = time.perf_counter() - start, cost.stats.waited_s - alone_exposed
+    finally:
+        emulate_relayed_exchanges(None)
+    return {"alone_s": alone_s, "alone_exposed": alone_exposed, "paired_s": paired_s,
+            "paired_exposed": paired_exposed, "posted": cost.stats.posted,
+            "same_bits": torch.equal(plain, alone) and torch.equal(plain, got[0])}

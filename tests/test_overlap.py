@@ -285,3 +285,14 @@ def test_failure_in_a_pair_surfaces_on_every_rank(pool):
     assert all(r["raised"] for r in results), results
     assert results[0]["chain"][0] == "InjectedFailure: injected failure in the forward half of a pair on rank 0"
     _others_stop_and_rank_2_names_rank_0(results)
+
+
+def test_emulated_cost_of_relayed_exchanges_hides_behind_the_partner_half(pool):
+    """bench titan's network: alone an exchange pays its whole cost, exposed; in a relayed
+    pair the partner half's compute covers most of it; the bits do not change."""
+    seconds = 0.2
+    results = pool.run(cases.relayed_exchange_emulated_cost, seconds=seconds)
+    for r in results:
+        assert r["same_bits"] and r["posted"] == 2, r
+        assert r["alone_s"] >= seconds and r["alone_exposed"] >= 0.9 * seconds, r
+        assert r["paired_exposed"] <= 0.5 * seconds, r  # the partner computed 0.75 of it

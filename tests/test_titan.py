@@ -373,6 +373,30 @@ def test_launcher_reports_a_parse_error_not_the_stop_signal(runs_dir: Path) -> N
     assert "SIGTERM" not in report and "To enable traceback" not in report
 
 
+@pytest.mark.titan_e2e
+def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
+    """``bench titan`` on the MoE config: the calibrated network costs each exchange about a
+    quarter of a block's compute, every schedule reports its figures, the sequential ones
+    leave exchanges exposed, and tokens per second follow from the step time."""
+    labels = "1F1B,torch DualPipeV,DualPipe"
+    cmd = [sys.executable, "-m", "titan_dualpipe", "bench", "titan", config("debug_moe_dualpipe"), "--nproc", "4",
+           "--rounds", "1", "--steps", "3", "--warmup", "1", "--schedules", labels, "--json"]
+    cmd += ["--module", "titan_dualpipe.titan"] if REGISTRY else []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert list(result["schedules"]) == labels.split(",")
+    assert 0 < result["exchange_s"] == pytest.approx(result["block_compute_s"] / 4)
+    tokens_per_step = 4 * 64 * 2  # local batch x sequence x data-parallel replicas
+    for label, figures in result["schedules"].items():
+        assert set(figures) == {"step_time", "tokens_per_s", "peak_memory_bytes", "exposed_comm"}, label
+        assert figures["tokens_per_s"] == pytest.approx(tokens_per_step / figures["step_time"])
+        assert figures["peak_memory_bytes"] > 2**20 and figures["step_time"] > 0, (label, figures)
+    for label in ("1F1B", "torch DualPipeV"):  # sequential: every exchange waits out its cost
+        assert result["schedules"][label]["exposed_comm"] > result["exchange_s"], (label, result)
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process checks (no trainer processes)
 
@@ -791,3 +815,28 @@ def test_untested_torchtitan_is_refused_by_name() -> None:
     with pytest.raises(ImportError, match=r"tested with torchtitan 0.3.0 on torch 2.14; found torch 2.13.0"):
         check_torchtitan_version("0.3.0", torch="2.13.0+cpu")
     assert check_torchtitan_version("0.2.2", torch="2.11.0") == "0.2.2"
+
+
+def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
+    """Options may follow CONFIG; bad ones are named before any run; figures: the slowest rank
+    per step, median over steps after warm-up, exposed time averaged over ranks."""
+    from titan_dualpipe.bench import titan as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = bench.split_arguments(parser.parse_args(["titan", "c.toml", "--nproc", "4", "--schedules", "DualPipe",
+                                                    "--training.seq_len", "32"]))
+    assert (args.nproc, args.schedules, args.overrides) == (4, "DualPipe", ["--training.seq_len", "32"])
+    assert [v.schedule for v in bench._check(args)] == ["DualPipe"]
+    for change, message in [({"schedules": "DualPipe,ZB"}, "unknown ['ZB']"), ({"steps": 3, "warmup": 3}, "--steps 3"),
+                            ({"nproc": None}, "give --nproc N"), ({"comm_ratio": -1.0}, "--comm-ratio must be")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bench._check(argparse.Namespace(**{**vars(args), **change}))
+    ranks = [{"step_s": [9.0, 1.0, 2.0, 3.0], "exposed_s": [9.0, 0.5, 0.5, 0.5], "tokens_per_step": 100,
+              "peak_memory_bytes": 7},
+             {"step_s": [9.0, 1.5, 1.0, 3.5], "exposed_s": [9.0, 0.1, 0.3, 0.1], "tokens_per_step": 100,
+              "peak_memory_bytes": 9}]
+    figures = bench.summarize([ranks], warmup=1)
+    assert figures == pytest.approx({"step_time": 2.0, "tokens_per_s": 50.0, "peak_memory_bytes": 9, "exposed_comm": 0.3})
+    with pytest.raises(ValueError, match="no MoE blocks"):
+        bench.block_seconds([{"block_forward_s": [], "block_backward_s": []}])

@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "runtime": "titan_dualpipe.bench.runtime",
     "overlap": "titan_dualpipe.bench.overlap",
+    "titan": "titan_dualpipe.bench.titan",
 }
 
 

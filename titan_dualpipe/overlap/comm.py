@@ -16,6 +16,9 @@ stream (:class:`GpuDelay`, standing in for NCCL's stream), after which the real 
 run meanwhile. :class:`CommStats` adds up the time spent waiting (on a GPU: the time the
 compute stream stalled, from CUDA events): the communication left exposed.
 
+:func:`emulate_relayed_exchanges` gives :func:`relayed_all_to_all_single` (torchtitan's MoE
+exchanges under ``bench titan``) the same kind of cost on the CPU, with its exposed time counted.
+
 Every exchange here calls :func:`~titan_dualpipe.overlap.relay.hand_over` between posting
 and waiting where the waiting is not the caller's choice (a backward; the plain forward),
 so it overlaps with the partner half when a pair runs as a relay.
@@ -242,10 +245,44 @@ class _RelayedAllToAllSingle(torch.autograd.Function):
         return _exchange(grad.contiguous(), input_split_sizes, output_split_sizes, ctx.group), None, None, None
 
 
+@dataclass
+class RelayedExchangeCost:
+    """Emulated network for :func:`relayed_all_to_all_single` (CPU): every exchange is ready
+    ``seconds`` after it was posted at the earliest; ``stats`` adds up the time spent blocked
+    waiting for exchanges (posted to waited, the partner half's compute excluded)."""
+
+    seconds: float = 0.0
+    stats: CommStats = field(default_factory=CommStats)
+
+
+_RELAYED_COST: RelayedExchangeCost | None = None
+
+
+def emulate_relayed_exchanges(seconds: float | None) -> RelayedExchangeCost | None:
+    """Make every :func:`relayed_all_to_all_single` of this process cost at least ``seconds``
+    (0: no extra cost) and count the time left exposed; returns the cost with its stats.
+    ``None`` turns both off."""
+    global _RELAYED_COST
+    if seconds is not None and not (seconds >= 0 and math.isfinite(seconds)):
+        raise ValueError(f"seconds per exchange must be a finite number >= 0, got {seconds}")
+    _RELAYED_COST = None if seconds is None else RelayedExchangeCost(seconds)
+    return _RELAYED_COST
+
+
 def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
+    cost, posted_at = _RELAYED_COST, time.perf_counter()
     pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
     hand_over()  # the partner half of a relayed pair computes while this one is in flight
-    return wait_collective(pending)
+    if cost is None:
+        return wait_collective(pending)
+    waiting_from = time.perf_counter()
+    out = wait_collective(pending)
+    remaining = posted_at + cost.seconds - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+    cost.stats.posted += 1
+    cost.stats.waited_s += time.perf_counter() - waiting_from
+    return out
 
 
 def relayed_all_to_all_single(

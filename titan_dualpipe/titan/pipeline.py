@@ -6,7 +6,8 @@ name on torchtitan's own code path (0.3.0 names the last three with a leading un
 calls the builder with keywords; :mod:`.generation` holds the names):
 
 - ``get_schedule_class``: "DualPipeV" / "DualPipe" (any case) -> our classes (torch's map is
-  closed, and torch's own "DualPipeV" would otherwise win).
+  closed, and torch's own "DualPipeV" would otherwise win); "TorchDualPipeV" -> torch's own
+  ``ScheduleDualPipeV`` (for comparisons, e.g. ``bench titan``).
 - ``generate_llm_fqn_per_model_part``: DualPipe splits the model into ``pp`` parts, not the
   ``2*pp`` stages ``pipeline_llm`` counts.
 - ``pipeline_module_split``: torchtitan picks the V placement by class identity with torch's
@@ -55,10 +56,17 @@ def schedule_class(name: str) -> type:
     return {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}[name]
 
 
+TORCH_DUALPIPEV_NAME = "TorchDualPipeV"  # torch's own ScheduleDualPipeV, which "DualPipeV" no longer names
+
+
 def make_get_schedule_class(original: Callable[[str], type]) -> Callable[[str], type]:
     def get_schedule_class(schedule_name: str) -> type:
         ours = our_schedule(schedule_name)
-        return schedule_class(ours) if ours else original(schedule_name)
+        if ours:
+            return schedule_class(ours)
+        if schedule_name.lower() == TORCH_DUALPIPEV_NAME.lower():
+            return original("DualPipeV")
+        return original(schedule_name)
 
     return get_schedule_class
 

@@ -91,6 +91,13 @@ def _trainer_modules() -> list[Any]:
     return [m for m in (sys.modules.get(GEN.trainer_module), main if is_train_main else None) if m is not None]
 
 
+def trainer_classes() -> list[type]:
+    """torchtitan's ``Trainer`` class(es) as the running trainer will find them."""
+    if not _trainer_modules():
+        importlib.import_module(GEN.trainer_module)
+    return list({id(m.Trainer): m.Trainer for m in _trainer_modules()}.values())
+
+
 def _make_metrics_rank(original: Callable[..., int]) -> Callable[..., int]:
     def _get_metrics_rank(*args: Any, **kwargs: Any) -> int:
         return LOSS_RANK if ACTIVE.plan is not None else original(*args, **kwargs)

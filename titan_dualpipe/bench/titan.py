@@ -1,0 +1,223 @@
+"""``titan-dualpipe bench titan CONFIG --nproc N [--comm-ratio R] [--json]``: torchtitan
+training under each pipeline schedule, in paired rotated rounds.
+
+Every run is ``titan-dualpipe train CONFIG`` with the schedule (and our overlap switch)
+overridden, measured inside the trainer (:mod:`titan_dualpipe.titan.bench_probe`): seconds per
+training step after ``--warmup`` steps (the slowest rank's, median over steps and rounds),
+tokens per second (all data-parallel replicas), peak memory (CUDA: torch's allocated peak; CPU:
+the process's resident peak), and the expert all-to-all time left exposed per step (mean over
+ranks). Each round runs every schedule once, each round in a rotated order, so drifts of the
+machine fall on all schedules alike.
+
+Emulated network (CPU): each expert all-to-all costs ``R`` times the compute it is compared
+with, as in ``bench overlap``: a first 1F1B run times every MoE block's forward and backward,
+and each of a block's four exchanges (dispatch and combine, forward and backward) then takes
+``R * block / 4`` at the least. ``R = 1`` is DeepSeek-V3's ratio; ``R = 0`` adds nothing.
+torch's own ``ScheduleDualPipeV`` is the name ``TorchDualPipeV`` here (ours took "DualPipeV");
+it runs its overlapped pairs one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..torchtitan_version import check_torchtitan_version, uses_config_registry
+
+
+# What a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`).
+BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record; unset: no probe
+EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all
+CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One benchmarked configuration: torchtitan's schedule name and our overlap switch."""
+
+    label: str
+    schedule: str
+    overlap: bool | None = None  # None: the config's own setting (torch's schedules ignore it)
+
+
+VARIANTS = (
+    Variant("1F1B", "1F1B"),
+    Variant("Interleaved1F1B", "Interleaved1F1B"),
+    Variant("ZBVZeroBubble", "ZBVZeroBubble"),
+    Variant("torch DualPipeV", "TorchDualPipeV", overlap=False),  # torchtitan's overlap callback is GPU-only
+    Variant("DualPipeV", "DualPipeV", overlap=True),
+    Variant("DualPipeV sequential", "DualPipeV", overlap=False),
+    Variant("DualPipe", "DualPipe", overlap=True),
+    Variant("DualPipe sequential", "DualPipe", overlap=False),
+)
+BY_LABEL = {v.label: v for v in VARIANTS}
+BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
+
+
+def _options(labels: str) -> dict[str, dict]:
+    return {
+        "--nproc": dict(type=int, default=None, help="number of processes (required)"),
+        "--comm-ratio": dict(type=float, default=1.0,
+                             help="emulated cost of a MoE block's four all-to-all exchanges / its compute (0: none)"),
+        "--rounds": dict(type=int, default=2, help="rounds; each runs every schedule once"),
+        "--steps": dict(type=int, default=8, help="training steps per run"),
+        "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
+        "--schedules": dict(default=labels, help="comma-separated, from: " + labels),
+        "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
+        "--json": dict(action="store_true", default=False, help="print JSON instead of a table"),
+    }
+
+
+def _add_options(parser: argparse.ArgumentParser, with_defaults: bool = True) -> argparse.ArgumentParser:
+    for flag, spec in _options(", ".join(v.label for v in VARIANTS)).items():
+        parser.add_argument(flag, **(spec if with_defaults else {**spec, "default": argparse.SUPPRESS}))
+    return parser
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    from ..cli import HelpFormatter
+
+    p = kinds.add_parser("titan", help="torchtitan training under each schedule (paired rotated rounds)",
+                         description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("config", help="torchtitan 0.2.2: a TOML; 0.3.0: a config name (see `titan-dualpipe train`)")
+    _add_options(p)
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan overrides for every run")
+    p.set_defaults(func=run)
+
+
+def split_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """Our options may also follow CONFIG, where the remainder swallowed them: take them back."""
+    late, rest = _add_options(argparse.ArgumentParser(add_help=False), with_defaults=False).parse_known_args(
+        args.overrides)
+    for key, value in vars(late).items():
+        setattr(args, key, value)
+    args.overrides = rest
+    return args
+
+
+def _check(args: argparse.Namespace) -> list[Variant]:
+    if args.nproc is None or args.nproc < 1:
+        raise ValueError(f"give --nproc N, the number of processes (>= 1); got {args.nproc}")
+    if not (args.comm_ratio >= 0):
+        raise ValueError(f"--comm-ratio must be >= 0, got {args.comm_ratio}")
+    if args.rounds < 1 or args.warmup < 0 or args.steps <= args.warmup:
+        raise ValueError(f"need --rounds >= 1 and --steps > --warmup >= 0; got --rounds {args.rounds}, "
+                         f"--steps {args.steps}, --warmup {args.warmup}")
+    labels = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = [s for s in labels if s not in BY_LABEL]
+    if unknown or not labels:
+        raise ValueError(f"--schedules: unknown {unknown or labels}; choose from {', '.join(BY_LABEL)}")
+    return [BY_LABEL[s] for s in labels]
+
+
+class Launcher:
+    """Starts ``titan-dualpipe train`` runs of one config and reads what their ranks recorded."""
+
+    def __init__(self, config: str, nproc: int, module: str | None, overrides: list[str], workdir: Path) -> None:
+        self.registry = uses_config_registry(check_torchtitan_version())
+        self.config, self.nproc, self.module, self.overrides, self.workdir = config, nproc, module, overrides, workdir
+        self.runs = 0
+
+    def _overlap_flag(self, overlap: bool) -> str:
+        if self.registry:
+            return "--dualpipe.overlap" if overlap else "--dualpipe.no-overlap"
+        prefix = "--parallelism." if overlap else "--parallelism.no-"
+        return prefix + "pipeline-parallel-expert-parallel-overlap"
+
+    def run(self, variant: Variant, steps: int, exchange_s: float, calibrate: bool = False) -> list[dict]:
+        self.runs += 1
+        out = self.workdir / f"run{self.runs}"
+        out.mkdir()
+        argv = [sys.executable, "-m", "titan_dualpipe", "train", self.config, "--nproc", str(self.nproc)]
+        argv += ["--module", self.module] if self.module else []
+        argv += ["--dump_folder" if self.registry else "--job.dump_folder", str(out / "dump")]
+        argv += ["--training.steps", str(steps), "--parallelism.pipeline_parallel_schedule", variant.schedule]
+        argv += [self._overlap_flag(variant.overlap)] if variant.overlap is not None else []
+        env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s)}
+        env.pop(CALIBRATE_ENV, None)
+        env.update({CALIBRATE_ENV: "1"} if calibrate else {})
+        log = out / "log.txt"
+        with open(log, "w") as f:
+            done = subprocess.run([*argv, *self.overrides], env=env, stdout=f, stderr=subprocess.STDOUT)
+        records = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
+        if done.returncode != 0 or len(records) != self.nproc:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+            raise RuntimeError(f"bench titan: the {variant.label} run failed (exit {done.returncode}, "
+                               f"{len(records)}/{self.nproc} ranks reported):\n{tail}")
+        return records
+
+
+def block_seconds(records: list[dict]) -> float:
+    """A MoE block's forward + backward (medians over all calls on all ranks)."""
+    forward = [s for r in records for s in r["block_forward_s"]]
+    backward = [s for r in records for s in r["block_backward_s"]]
+    if not forward or not backward:
+        raise ValueError("bench titan: the model has no MoE blocks to time; run it with --comm-ratio 0")
+    return statistics.median(forward) + statistics.median(backward)
+
+
+def summarize(runs: list[list[dict]], warmup: int) -> dict[str, float]:
+    """One schedule's figures from its runs (each a list of per-rank records)."""
+    step_s, exposed_s = [], []
+    for records in runs:
+        for step in range(warmup, len(records[0]["step_s"])):
+            step_s.append(max(r["step_s"][step] for r in records))
+            exposed_s.append(statistics.mean(r["exposed_s"][step] for r in records))
+    step_time = statistics.median(step_s)
+    return {
+        "step_time": step_time,
+        "tokens_per_s": runs[0][0]["tokens_per_step"] / step_time,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for records in runs for r in records),
+        "exposed_comm": statistics.median(exposed_s),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    variants = _check(args)
+    with tempfile.TemporaryDirectory(prefix="titan_dualpipe_bench_") as workdir:
+        launcher = Launcher(args.config, args.nproc, args.module, args.overrides, Path(workdir))
+        exchange_s, block_s = 0.0, None
+        if args.comm_ratio > 0:
+            block_s = block_seconds(launcher.run(BY_LABEL["1F1B"], args.warmup + 2, 0.0, calibrate=True))
+            exchange_s = args.comm_ratio * block_s / BLOCK_EXCHANGES
+        runs: dict[str, list[list[dict]]] = {v.label: [] for v in variants}
+        for round_index in range(args.rounds):
+            shift = round_index % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                runs[variant.label].append(launcher.run(variant, args.steps, exchange_s))
+    return {
+        "config": args.config, "nproc": args.nproc, "comm_ratio": args.comm_ratio, "rounds": args.rounds,
+        "steps": args.steps, "warmup": args.warmup,
+        "block_compute_s": block_s, "exchange_s": exchange_s,
+        "schedules": {label: summarize(r, args.warmup) for label, r in runs.items()},
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    schedules = result["schedules"]
+    base = schedules.get("1F1B")
+    lines = [f"{'schedule':<22}{'s/step':>9}{'tokens/s':>10}{'vs 1F1B':>9}{'peak MiB':>10}{'exposed a2a s':>15}"]
+    for label, s in schedules.items():
+        ratio = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        lines.append(f"{label:<22}{s['step_time']:>9.3f}{s['tokens_per_s']:>10.0f}{ratio:>9}"
+                     f"{s['peak_memory_bytes'] / 2**20:>10.0f}{s['exposed_comm']:>15.3f}")
+    if result["block_compute_s"] is not None:
+        lines.append(f"emulated all-to-all: {result['exchange_s'] * 1e3:.2f} ms per exchange = {result['comm_ratio']} x "
+                     f"MoE block forward+backward {result['block_compute_s'] * 1e3:.2f} ms / {BLOCK_EXCHANGES}")
+    lines.append(f"{result['rounds']} rotated rounds x {result['steps'] - result['warmup']} measured steps "
+                 f"(after {result['warmup']}), {result['nproc']} processes")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = measure(split_arguments(args))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0

@@ -1,0 +1,121 @@
+"""What ``titan-dualpipe bench titan`` measures inside torchtitan's trainer processes.
+
+Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the runs it starts):
+
+- torchtitan's expert-parallel all-to-all goes through
+  :func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single` under every schedule (ours
+  route it there anyway), so each exchange can cost an emulated network time
+  (``EXCHANGE_S_ENV`` seconds, CPU only) and the time it leaves exposed is counted the same way
+  for every schedule;
+- ``Trainer.train_step`` is timed, with the exposed exchange time of each step;
+- with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
+  (the compute an exchange is compared with: ``--comm-ratio``);
+- at ``Trainer.close`` each rank writes ``bench_rank<R>.json``: step times, exposed seconds per
+  step, block times, global tokens per step and its peak memory (CUDA: allocated by torch; CPU:
+  the process's peak resident set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, EXCHANGE_S_ENV
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self.exposed_s: list[float] = []
+        self.block_forward_s: list[float] = []
+        self.block_backward_s: list[float] = []
+        self.tokens_per_step = 0
+
+
+def _moe_blocks(model_parts: list[Any]) -> list[Any]:
+    """Transformer blocks holding a MoE layer (torchtitan names it ``moe`` in both releases)."""
+    from torch import nn
+
+    return [m for part in model_parts for m in part.modules() if isinstance(getattr(m, "moe", None), nn.Module)]
+
+
+def _time_blocks(model_parts: list[Any], record: _Record) -> None:
+    """Forward and backward seconds of every MoE block call (run under a single-threaded
+    schedule: nothing else computes between a block's pre- and post-hook)."""
+    started: dict[int, float] = {}
+
+    def begin(module: Any, *_: Any) -> None:
+        started[id(module)] = time.perf_counter()
+
+    def end_forward(module: Any, *_: Any) -> None:
+        record.block_forward_s.append(time.perf_counter() - started.pop(id(module)))
+
+    def end_backward(module: Any, *_: Any) -> None:
+        record.block_backward_s.append(time.perf_counter() - started.pop(id(module)))
+
+    for block in _moe_blocks(model_parts):
+        block.register_forward_pre_hook(begin)
+        block.register_forward_hook(end_forward)
+        block.register_full_backward_pre_hook(begin)
+        block.register_full_backward_hook(end_backward)
+
+
+def _peak_memory_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _tokens_per_step(trainer: Any) -> int:
+    """Tokens one optimizer step trains on, all data-parallel replicas together."""
+    config = getattr(trainer, "job_config", None) or trainer.config  # 0.2.2 / 0.3.0
+    dims = trainer.parallel_dims
+    return config.training.local_batch_size * config.training.seq_len * dims.dp_replicate * dims.dp_shard
+
+
+def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ..overlap.comm import emulate_relayed_exchanges
+    from . import expert_overlap
+    from .trainer_hooks import trainer_classes
+
+    if exchange_s > 0 and torch.cuda.is_available():
+        raise ValueError(f"the emulated network ({EXCHANGE_S_ENV}={exchange_s}) is for CPU runs: on GPUs the "
+                         "exchanges cross the real network; run the bench with --comm-ratio 0")
+    expert_overlap.install()
+    cost = emulate_relayed_exchanges(exchange_s)
+    record = _Record()
+
+    for trainer_class in trainer_classes():
+        original_step, original_close = trainer_class.train_step, trainer_class.close
+
+        def train_step(self: Any, *args: Any, _original: Any = original_step, **kwargs: Any) -> Any:
+            if not record.step_s and calibrate:
+                _time_blocks(self.model_parts, record)
+            waited, start = cost.stats.waited_s, time.perf_counter()
+            result = _original(self, *args, **kwargs)
+            record.step_s.append(time.perf_counter() - start)
+            record.exposed_s.append(cost.stats.waited_s - waited)
+            record.tokens_per_step = _tokens_per_step(self)
+            return result
+
+        def close(self: Any, _original: Any = original_close) -> None:
+            out = {**vars(record), "peak_memory_bytes": _peak_memory_bytes(), "exchanges": cost.stats.posted}
+            Path(out_dir, f"bench_rank{dist.get_rank()}.json").write_text(json.dumps(out))
+            _original(self)
+
+        trainer_class.train_step, trainer_class.close = train_step, close
+
+
+def install_from_env() -> None:
+    out_dir = os.environ.get(BENCH_DIR_ENV)
+    if out_dir:
+        install(out_dir, float(os.environ.get(EXCHANGE_S_ENV, "0")), bool(os.environ.get(CALIBRATE_ENV)))
