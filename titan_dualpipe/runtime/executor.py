@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_map_only
 from torch.distributed.fsdp import FSDPModule
 
 from .._compat import (
@@ -222,6 +223,8 @@ class StepExecutor:
         stage.backward_one_chunk(
             mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
         )
+        if full:
+            self._backward_done(s, mb)
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
@@ -237,6 +240,19 @@ class StepExecutor:
         else:
             _unshard_nested(stage)
             stage.backward_weight_one_chunk(mb, last_backward=last)
+        self._backward_done(s, mb)
+
+    def _backward_done(self, stage_index: int, mb: int) -> None:
+        """Keep a finished microbatch's loss and returned output without their graph: after a
+        split backward, what only the input gradient needed (attention's and activations'
+        saved tensors) lives as long as the graph does, which these would hold to the step's end."""
+        if not self.place.is_last(stage_index):
+            return
+        if mb in self.losses:
+            self.losses[mb] = self.losses[mb].detach()
+        outputs = self.stages[stage_index].output_chunks  # one per forward, in microbatch order
+        if mb < len(outputs):
+            outputs[mb] = tree_map_only(torch.Tensor, torch.Tensor.detach, outputs[mb])
 
     def count_backward(self, stage_index: int) -> bool:
         """Count a completed backward of a stage; True for its last one this step."""

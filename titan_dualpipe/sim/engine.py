@@ -20,13 +20,14 @@ forward before its backward releases.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from .._compat import B, F, I, OVERLAP_F_B, W, _Action
 from ..orders.dataflow import input_source
 from ..orders.lowering import leaf_actions
 from .costs import Costs
+from .memory import peak_activation_bytes
 from .schedules import Pipeline
 from .timeline import TimedAction
 
@@ -215,16 +216,7 @@ def _check_stages(pipe: Pipeline) -> None:
 
 def peak_activations(actions: list[_Action]) -> int:
     """Most stage-microbatch activations alive at once on a rank running ``actions`` in order."""
-    live = peak = 0
-    for action in actions:
-        # A pair's forward allocates before its backward frees.
-        for leaf in sorted(leaf_actions(action), key=lambda a: a.computation_type != F):
-            if leaf.computation_type == F:
-                live += 1
-                peak = max(peak, live)
-            elif leaf.computation_type in (B, W):
-                live -= 1
-    return peak
+    return int(peak_activation_bytes(actions, defaultdict(lambda: 1)))
 
 
 def _result(run: _Run, costs: Costs) -> SimResult:

@@ -4,12 +4,17 @@ Runs our schedule on ``pp`` local CPU processes with a TinyLM stage module and
 ``record_timeline=True``, then from the last step's per-action times:
 - draws the measured timeline (``-o``) and writes it as a Perfetto trace (``--trace``);
 - takes the median time of each action kind (F, B, I, W, an overlapped pair) as costs and
-  simulates the same order with them, so predicted and measured step time can be compared.
+  simulates the same order with them, so predicted and measured step time can be compared;
+- measures each rank's peak activation memory (bytes autograd saved for backward,
+  :class:`~titan_dualpipe.sim.memory.ActivationMeter`) over the last step and sets it next to
+  the simulator's prediction: its live-activation count over the order, each stage-microbatch
+  weighing what one forward of that stage saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -21,7 +26,8 @@ import torch.distributed as dist
 from ..cli import HelpFormatter
 from ..orders import Placement, canonical_name, placement
 from .costs import Costs
-from .engine import simulate
+from .engine import peak_activations, simulate
+from .memory import ActivationMeter, peak_activation_bytes
 from .schedules import pipeline_for
 from .timeline import TimedAction, action_kind, draw_timeline, write_trace
 
@@ -85,10 +91,12 @@ def _measure(cfg: dict) -> dict:
     schedule = cls(stages, place.n_microbatches, loss_fn=lm_loss, record_timeline=True, overlap=cfg["overlap"])
     x = torch.randint(0, 512, (4 * place.n_microbatches, cfg["seq"]))
     feeds = place.feeds_batch(rank)
-    for _ in range(cfg["steps"]):
+    meter = ActivationMeter(p for s in stages for p in s.submod.parameters())
+    for step in range(cfg["steps"]):
         dist.barrier()
         start = time.perf_counter()
-        schedule.step(x, target=x) if feeds else schedule.step()
+        with meter if step == cfg["steps"] - 1 else contextlib.nullcontext():  # the measured step
+            schedule.step(x, target=x) if feeds else schedule.step()
         step_time = time.perf_counter() - start
     times = [0.0] * place.pp_size
     dist.all_gather_object(times, step_time)
@@ -96,7 +104,43 @@ def _measure(cfg: dict) -> dict:
     probe = next(s for s in stages if not place.is_first(s.stage_index))
     split: list = [None] * place.pp_size
     dist.all_gather_object(split, _split_backward_sample(probe, place, 4, cfg))
-    return {"timeline": timeline, "step_time": max(times), "split_backward": split}
+    memory: list = [None] * place.pp_size
+    dist.all_gather_object(memory, (meter.peak, {s.stage_index: _stage_activation_bytes(s, place, 4, cfg)
+                                                 for s in stages}))
+    return {"timeline": timeline, "step_time": max(times), "split_backward": split, "memory": memory,
+            "order": schedule.pipeline_order}
+
+
+def _stage_activation_bytes(stage, place: Placement, rows: int, cfg: dict) -> int:
+    """Bytes one microbatch's forward on ``stage`` keeps for its backward (loss included on a last stage)."""
+    from ..bench.model import lm_loss
+
+    module = stage.submod
+    if place.is_first(stage.stage_index):
+        x = torch.randint(0, 512, (rows, cfg["seq"]))
+    else:
+        x = torch.randn(rows, cfg["seq"], cfg["dim"], requires_grad=True)
+    with ActivationMeter(module.parameters()) as meter:
+        out = module(x)
+        if place.is_last(stage.stage_index):
+            out = lm_loss(out, torch.zeros(rows, cfg["seq"], dtype=torch.long))
+        held = meter.live
+    del out
+    return held
+
+
+def activation_memory(measured: dict) -> dict:
+    """Per rank: the measured peak of saved activations and the simulator's prediction (its
+    live-activation rule over the order, each stage-microbatch weighing its measured bytes)."""
+    per_stage = {s: b for _, stages in measured["memory"] for s, b in stages.items()}
+    order = measured["order"]
+    measured_peak = [peak for peak, _ in measured["memory"]]
+    simulated = [peak_activation_bytes(order[rank], per_stage) for rank in range(len(measured_peak))]
+    counts = [peak_activations([a for a in order[rank] if a is not None]) for rank in range(len(measured_peak))]
+    return {"measured_peak_bytes": measured_peak, "simulated_peak_bytes": simulated,
+            "simulated_peak_stage_microbatches": counts,
+            "bytes_per_stage_microbatch": dict(sorted(per_stage.items())),
+            "measured_over_simulated": [m / s if s else None for m, s in zip(measured_peak, simulated)]}
 
 
 def costs_from(timeline: list[TimedAction], place: Placement,
@@ -130,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.spawn import run_on_processes
 
     schedule = canonical_name(args.schedule)
-    placement(schedule, args.pp, args.microbatches)  # ValueError before spawning
+    place = placement(schedule, args.pp, args.microbatches)  # ValueError before spawning
+    parts = place.pp_size if place.bidirectional else place.num_stages
+    if args.layers < parts:
+        raise ValueError(f"--layers {args.layers}: {schedule} at --pp {args.pp} cuts the model into {parts} parts; "
+                         f"give --layers {parts} or more")
     cfg = {"schedule": schedule, "pp": args.pp, "microbatches": args.microbatches, "steps": max(1, args.steps),
            "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap}
     measured = run_on_processes(_measure, args.pp, cfg)
@@ -144,10 +192,17 @@ def run(args: argparse.Namespace) -> int:
                       direction_of=direction_of, time_label="seconds")
     if args.trace:
         write_trace(timeline, args.trace, us_per_unit=1e6)
-    result = {"costs_s": costs.as_dict(), "measured_step_s": measured["step_time"], "simulated_step_s": predicted}
+    memory = activation_memory(measured)
+    result = {"costs_s": costs.as_dict(), "measured_step_s": measured["step_time"], "simulated_step_s": predicted,
+              "activation_memory": memory}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"measured costs (s): {costs}")
         print(f"step time: measured {measured['step_time']:.4f} s, simulated with these costs {predicted:.4f} s")
+        print("activation memory, saved for backward (MiB); simulated: live stage-microbatches x their measured size")
+        print(f"{'rank':>4}  {'measured peak':>13}  {'simulated':>9}  {'measured/simulated':>18}  {'live at peak':>12}")
+        rows = zip(memory["measured_peak_bytes"], memory["simulated_peak_bytes"], memory["simulated_peak_stage_microbatches"])
+        for rank, (m, p, count) in enumerate(rows):
+            print(f"{rank:>4}  {m / 2**20:>13.2f}  {p / 2**20:>9.2f}  {m / p if p else float('nan'):>18.3f}  {count:>12}")
     return 0

@@ -1,0 +1,98 @@
+"""Activation memory: measured on a real run, and predicted from a schedule's order.
+
+:class:`ActivationMeter` counts the bytes autograd keeps for backward (saved tensors, each
+storage once, parameters excluded) while it is active, and their peak. On the CPU, where no
+allocator statistics exist, this is the activation memory a schedule decides; on a GPU it is
+the part of ``torch.cuda.max_memory_allocated`` that the schedule moves.
+
+:func:`peak_activation_bytes` is the simulator's rule (a forward allocates its stage's
+activation, the backward that ends it frees it; a pair's forward allocates before its
+backward frees), weighted by each stage's measured bytes per microbatch.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+import torch
+
+from .._compat import B, F, W, _Action
+from ..orders.lowering import leaf_actions
+
+
+class _Saved:
+    """A saved tensor under the meter; the graph dropping it releases its storage's count."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: "ActivationMeter") -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Live and peak bytes of tensors saved for backward while active (``with meter:``; the
+    forwards must run on the entering thread, backwards may run on any)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        self._held: dict[int, list[int]] = {}  # storage -> [references, bytes]
+        self._lock = threading.Lock()
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded or storage.nbytes() == 0:
+            return tensor
+        with self._lock:
+            held = self._held.setdefault(key, [0, storage.nbytes()])
+            held[0] += 1
+            if held[0] == 1:
+                self.live += held[1]
+                self.peak = max(self.peak, self.live)
+        # detached: holding a saved output (whose grad_fn holds this object) would be a cycle
+        # through autograd's C++ graph that no garbage collector breaks
+        return _Saved(tensor.detach(), key, self)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            held = self._held[key]
+            held[0] -= 1
+            if held[0] == 0:
+                self.live -= held[1]
+                del self._held[key]
+
+    def __enter__(self) -> "ActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def peak_activation_bytes(actions: list[_Action | None], bytes_per_stage: dict[int, float]) -> float:
+    """Most activation bytes alive at once on a rank running ``actions`` in order (comm
+    actions ignored), each stage-microbatch weighing ``bytes_per_stage[stage]``."""
+    live = peak = 0.0
+    for action in actions:
+        if action is None:
+            continue
+        for leaf in sorted(leaf_actions(action), key=lambda a: a.computation_type != F):
+            if leaf.computation_type == F:
+                live += bytes_per_stage[leaf.stage_index]
+                peak = max(peak, live)
+            elif leaf.computation_type in (B, W):
+                live -= bytes_per_stage[leaf.stage_index]
+    return peak
