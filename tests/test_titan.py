@@ -559,6 +559,8 @@ def test_schedule_names_resolve_case_insensitively_and_others_unchanged() -> Non
     for name in ("DualPipe", "dualpipe"):
         assert lookup(name) is ScheduleDualPipe
     assert not issubclass(ScheduleDualPipeV, torch_schedules.ScheduleDualPipeV)
+    for name in ("TorchDualPipeV", "torchdualpipev"):  # torch's own, for comparisons
+        assert lookup(name) is torch_schedules.ScheduleDualPipeV
     for name in ("1F1B", "interleaved1f1b", "GPipe", "ZBVZeroBubble", "PipelineScheduleMulti"):
         assert lookup(name) is torch_schedules.get_schedule_class(name)
     with pytest.raises(ValueError, match="Unknown schedule name 'DualPipeX'"):

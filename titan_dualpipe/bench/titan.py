@@ -133,10 +133,20 @@ class Launcher:
         return prefix + "pipeline-parallel-expert-parallel-overlap"
 
     def run(self, variant: Variant, steps: int, exchange_s: float, calibrate: bool = False) -> list[dict]:
+        """Every rank's record of one run. A failed run is retried once, its failure shown on
+        stderr, so one flaky process does not end a long benchmark; a second failure raises."""
+        try:
+            return self._run_once(variant, steps, exchange_s, calibrate)
+        except RuntimeError as err:
+            print(f"{err}\nbench titan: running {variant.label} again", file=sys.stderr)
+            return self._run_once(variant, steps, exchange_s, calibrate)
+
+    def _run_once(self, variant: Variant, steps: int, exchange_s: float, calibrate: bool) -> list[dict]:
         self.runs += 1
         out = self.workdir / f"run{self.runs}"
         out.mkdir()
-        argv = [sys.executable, "-m", "titan_dualpipe", "train", self.config, "--nproc", str(self.nproc)]
+        argv = [sys.executable, "-m", "titan_dualpipe", "train", self.config, "--nproc", str(self.nproc),
+                "--log-ranks", "all"]
         argv += ["--module", self.module] if self.module else []
         argv += ["--dump_folder" if self.registry else "--job.dump_folder", str(out / "dump")]
         argv += ["--training.steps", str(steps), "--parallelism.pipeline_parallel_schedule", variant.schedule]

@@ -24,12 +24,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _packed(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """Indices and one flat buffer per dtype, in order of first appearance."""
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype, in order of first appearance."""
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         by_dtype[t.dtype].append(i)
-    return [(idx, torch.cat([tensors[i].reshape(-1) for i in idx])) for idx in by_dtype.values()]
+    return list(by_dtype.values())
+
+
+def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat buffer per dtype group of :func:`_by_dtype`."""
+    return [torch.cat([tensors[i].reshape(-1) for i in idx]) for idx in _by_dtype(tensors)]
 
 
 def _exchange(
@@ -40,10 +45,12 @@ def _exchange(
     The peer calls this with the roles mirrored, so its ``send`` is laid out like our
     ``recv_like`` (same module part, same parameter order and dtypes).
     """
-    layout = _packed(recv_like)
-    buffers = swap([buf for _, buf in _packed(send)], [buf for _, buf in layout], peer, group)
+    layout = _by_dtype(recv_like)
+    shapes = [torch.empty(sum(recv_like[i].numel() for i in idx), dtype=recv_like[idx[0]].dtype,
+                          device=recv_like[idx[0]].device) for idx in layout]
+    buffers = swap(_packed(send), shapes, peer, group)
     received: list[torch.Tensor] = list(recv_like)
-    for (idx, _), buf in zip(layout, buffers, strict=True):
+    for idx, buf in zip(layout, buffers, strict=True):
         for i, chunk in zip(idx, buf.split([recv_like[i].numel() for i in idx])):
             received[i] = chunk.view_as(recv_like[i])
     return received

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.p2p import swap
 from .generation import GEN
 from .pipeline import ACTIVE
 
@@ -43,10 +44,7 @@ def sum_twin_counts(parts: dict[int, nn.Module], peer: int, group: dist.ProcessG
     if not counts:
         return
     mine = torch.cat([c.reshape(-1) for c in counts])
-    theirs = torch.empty_like(mine)
-    ops = [dist.P2POp(dist.isend, mine, peer, group), dist.P2POp(dist.irecv, theirs, peer, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    (theirs,) = swap([mine], [mine], peer, group)
     total = mine + theirs
     for count, chunk in zip(counts, total.split([c.numel() for c in counts])):
         count.copy_(chunk.view_as(count))
