@@ -363,6 +363,22 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
 
 
 @pytest.mark.titan_e2e
+def test_a_killed_rank_is_named_by_the_other_rank_and_the_launcher(runs_dir: Path) -> None:
+    """Rank 1 SIGKILLs itself in the middle of step 2 (its 6th forward). Rank 0, waiting on it,
+    raises PeerFailed naming pipeline rank 1 (its neighbour's connection closed) well before the
+    group timeout; torchrun's monitor is slowed to 20 s so it is rank 0 that stops the run, and
+    the launcher reports rank 0's error as the first real one (rank 1 wrote none)."""
+    run = train("debug_dualpipe", runs_dir / "killed", probe=True,
+                env={"TITAN_DUALPIPE_TEST_KILL": "1:6", "PET_MONITOR_INTERVAL": "20"})
+    assert run.returncode != 0
+    text = ANSI.sub("", run.output)
+    assert re.search(r"\[rank0\]:.*PeerFailed: .*pipeline rank 1 \(global rank 1\)", text), text[-6000:]
+    report = ANSI.sub("", run.stdout).split("first error:", 1)[1]
+    assert report.lstrip().startswith("[rank0]:") and "PeerFailed" in report, report
+    assert run.seconds < 120, run.seconds
+
+
+@pytest.mark.titan_e2e
 def test_launcher_reports_a_parse_error_not_the_stop_signal(runs_dir: Path) -> None:
     """A value torchtitan's parser rejects stops that rank with exit code 2 and no traceback file;
     torchrun then stops the others with SIGTERM. The launcher names the parser's message."""

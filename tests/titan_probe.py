@@ -72,3 +72,30 @@ def _install_probe(out_dir: str) -> None:
 
 if os.environ.get(PROBE_ENV):
     _install_probe(os.environ[PROBE_ENV])
+
+
+KILL_ENV = "TITAN_DUALPIPE_TEST_KILL"  # "RANK:N": that rank SIGKILLs itself at its N-th forward action
+
+
+def _install_killer(spec: str) -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    from titan_dualpipe.runtime.executor import StepExecutor
+
+    rank, nth = (int(x) for x in spec.split(":"))
+    run_forward = StepExecutor.run_forward
+    calls = [0]
+
+    def run_forward_or_die(self, action):
+        calls[0] += 1
+        if dist.get_rank() == rank and calls[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run_forward(self, action)
+
+    StepExecutor.run_forward = run_forward_or_die
+
+
+if os.environ.get(KILL_ENV):
+    _install_killer(os.environ[KILL_ENV])
