@@ -858,3 +858,8 @@ def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
     assert figures == pytest.approx({"step_time": 2.0, "tokens_per_s": 50.0, "peak_memory_bytes": 9, "exposed_comm": 0.3})
     with pytest.raises(ValueError, match="no MoE blocks"):
         bench.block_seconds([{"block_forward_s": [], "block_backward_s": []}])
+    with pytest.MonkeyPatch.context() as patch:  # a GPU machine: its network is real
+        patch.setattr(bench, "_has_cuda", lambda: True)
+        with pytest.raises(ValueError, match="give --comm-ratio 0"):
+            bench._check(args)
+        assert bench._check(argparse.Namespace(**{**vars(args), "comm_ratio": 0.0}))

@@ -108,6 +108,9 @@ def _check(args: argparse.Namespace) -> list[Variant]:
         raise ValueError(f"give --nproc N, the number of processes (>= 1); got {args.nproc}")
     if not (args.comm_ratio >= 0):
         raise ValueError(f"--comm-ratio must be >= 0, got {args.comm_ratio}")
+    if args.comm_ratio > 0 and _has_cuda():
+        raise ValueError(f"--comm-ratio {args.comm_ratio}: the emulated network is for CPU runs; on GPUs the "
+                         "exchanges cross the real network: give --comm-ratio 0")
     if args.rounds < 1 or args.warmup < 0 or args.steps <= args.warmup:
         raise ValueError(f"need --rounds >= 1 and --steps > --warmup >= 0; got --rounds {args.rounds}, "
                          f"--steps {args.steps}, --warmup {args.warmup}")
@@ -116,6 +119,12 @@ def _check(args: argparse.Namespace) -> list[Variant]:
     if unknown or not labels:
         raise ValueError(f"--schedules: unknown {unknown or labels}; choose from {', '.join(BY_LABEL)}")
     return [BY_LABEL[s] for s in labels]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class Launcher:
