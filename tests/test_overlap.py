@@ -250,6 +250,17 @@ def test_moe_module_under_torch_v_schedules(pool, name):
     assert sum(r["losses"] for r in results) == cases.EP * 4
 
 
+def test_emulated_cost_of_relayed_exchanges_hides_behind_the_partner_half(pool):
+    """bench titan's network: alone an exchange pays its whole cost, exposed; in a relayed
+    pair the partner half's compute covers most of it; the bits do not change."""
+    seconds = 0.2
+    results = pool.run(cases.relayed_exchange_emulated_cost, seconds=seconds)
+    for r in results:
+        assert r["same_bits"] and r["posted"] == 2, r
+        assert r["alone_s"] >= seconds and r["alone_exposed"] >= 0.9 * seconds, r
+        assert r["paired_exposed"] <= 0.5 * seconds, r  # the partner computed 0.75 of it
+
+
 def test_failure_in_a_relayed_pair_surfaces_on_every_rank():
     """Rank 0 raises in the backward half of a relayed pair (its own pool: the failure
     breaks the process groups): the forward half stops at its next hand-over, rank 0 raises
@@ -278,21 +289,16 @@ def _others_stop_and_rank_2_names_rank_0(results: list[dict]) -> None:
         in results[2]["chain"][0], results[2]
 
 
-def test_failure_in_a_pair_surfaces_on_every_rank(pool):
-    """Rank 0 raises inside its first overlapped pair: it raises that error at once, and
-    every other rank stops with an error within the process-group timeout."""
-    results = pool.run(cases.failure_in_pair, timeout_s=cases.GROUP_TIMEOUT_S + 60)
+def test_failure_in_a_pair_surfaces_on_every_rank():
+    """Rank 0 raises inside its first overlapped pair (its own pool: the failure leaves
+    unmatched messages in the process groups): it raises that error at once, and every other
+    rank stops with an error within the process-group timeout."""
+    own = WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S)
+    try:
+        results = own.run(cases.failure_in_pair, timeout_s=cases.GROUP_TIMEOUT_S + 60)
+    finally:
+        own.close(kill=True)
     assert all(r["raised"] for r in results), results
     assert results[0]["chain"][0] == "InjectedFailure: injected failure in the forward half of a pair on rank 0"
     _others_stop_and_rank_2_names_rank_0(results)
 
-
-def test_emulated_cost_of_relayed_exchanges_hides_behind_the_partner_half(pool):
-    """bench titan's network: alone an exchange pays its whole cost, exposed; in a relayed
-    pair the partner half's compute covers most of it; the bits do not change."""
-    seconds = 0.2
-    results = pool.run(cases.relayed_exchange_emulated_cost, seconds=seconds)
-    for r in results:
-        assert r["same_bits"] and r["posted"] == 2, r
-        assert r["alone_s"] >= seconds and r["alone_exposed"] >= 0.9 * seconds, r
-        assert r["paired_exposed"] <= 0.5 * seconds, r  # the partner computed 0.75 of it
