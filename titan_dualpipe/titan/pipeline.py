@@ -137,6 +137,19 @@ def _scalar_loss(loss_fn: Callable) -> Callable:
     return loss
 
 
+def _startable_on_gloo(schedule: Any, stages: list) -> Any:
+    """torch's own multi-stage schedules on gloo (CPU mode): torch 2.11 starts V schedules with
+    messages from a rank to itself, which gloo rejects (see ``_compat.runnable_on_gloo``)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    from .._compat import runnable_on_gloo
+
+    if isinstance(schedule, PipelineScheduleMulti) and stages and dist.get_backend(stages[0].group) == "gloo":
+        return runnable_on_gloo(schedule)
+    return schedule
+
+
 def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     """0.2.2: ``build_pipeline_schedule(job_config, stages, loss_fn)``."""
 
@@ -144,7 +157,7 @@ def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         par = job_config.parallelism
         ours = our_schedule(par.pipeline_parallel_schedule)
         if ours is None or par.pipeline_parallel_degree <= 1:
-            return original(job_config, stages, loss_fn)
+            return _startable_on_gloo(original(job_config, stages, loss_fn), stages)
         return build_schedule(ours, par, job_config.training.local_batch_size, stages, loss_fn)
 
     return build_pipeline_schedule
@@ -157,8 +170,8 @@ def make_build_schedule_030(original: Callable[..., Any]) -> Callable[..., Any]:
                                  **kwargs: Any) -> Any:
         ours = our_schedule(parallelism.pipeline_parallel_schedule)
         if ours is None or parallelism.pipeline_parallel_degree <= 1:
-            return original(parallelism=parallelism, local_batch_size=local_batch_size, stages=stages,
-                            loss_fn=loss_fn, **kwargs)
+            return _startable_on_gloo(original(parallelism=parallelism, local_batch_size=local_batch_size,
+                                               stages=stages, loss_fn=loss_fn, **kwargs), stages)
         return build_schedule(ours, parallelism, local_batch_size, stages, _scalar_loss(loss_fn))
 
     return _build_pipeline_schedule
