@@ -156,18 +156,29 @@ class StepExecutor:
         logger.error("pipeline rank %s failed %s (row %s of its order, marked):\n%s", self.rank, where, row,
                      _format_pipeline_order(self.schedule.pipeline_order_with_comms, error_step_number=row))
 
+    def _post(self, ops: list[dist.P2POp], action: _Action) -> list[dist.Work]:
+        """Post ``action``'s p2p ops; if its peer stopped (gloo can tell at posting), raise
+        :class:`PeerFailed` naming it."""
+        try:
+            return _batch_p2p(ops)
+        except RuntimeError as err:
+            raise self._lost_peer(action, err) from err
+
     def _wait(self, works: list[dist.Work], action: _Action) -> None:
         """Wait for ``action``'s p2p ops; if its peer stopped, raise :class:`PeerFailed` naming it."""
         try:
             _wait_batch_p2p(works)
         except RuntimeError as err:
-            source = input_source(action, self.place)
-            peer = self.place.rank_of(source.stage if source is not None else peer_stage(action, self.place))
-            group = self.stages[action.stage_index].group
-            peer_global = dist.get_global_rank(group, peer) if group is not None else peer
-            raise peer_failed(self.failure_scope,
-                              f"pipeline rank {self.rank} (global rank {dist.get_rank()}) lost pipeline rank {peer} "
-                              f"(global rank {peer_global}) at {action}: {_first_line(err)}") from err
+            raise self._lost_peer(action, err) from err
+
+    def _lost_peer(self, action: _Action, err: RuntimeError) -> PeerFailed:
+        source = input_source(action, self.place)
+        peer = self.place.rank_of(source.stage if source is not None else peer_stage(action, self.place))
+        group = self.stages[action.stage_index].group
+        peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+        return peer_failed(self.failure_scope,
+                           f"pipeline rank {self.rank} (global rank {dist.get_rank()}) lost pipeline rank {peer} "
+                           f"(global rank {peer_global}) at {action}: {_first_line(err)}")
 
     def timed(self, action: _Action, fn: Callable[[], None]) -> None:
         if self.timeline is None:
@@ -273,11 +284,11 @@ class StepExecutor:
 
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
-        works = _batch_p2p(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index))
+        works = self._post(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index), action)
         self.sends.append((action, works))
 
     def send_backward(self, action: _Action) -> None:
-        works = _batch_p2p(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index))
+        works = self._post(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index), action)
         self.sends.append((action, works))
 
     def post_send_early(self, send: _Action) -> None:
@@ -303,11 +314,11 @@ class StepExecutor:
 
     def recv_forward(self, action: _Action) -> None:
         key = (action.stage_index, action.microbatch_index)
-        self.fwd_recvs[key] = _batch_p2p(self.stages[action.stage_index].get_fwd_recv_ops(key[1]))
+        self.fwd_recvs[key] = self._post(self.stages[action.stage_index].get_fwd_recv_ops(key[1]), action)
 
     def recv_backward(self, action: _Action) -> None:
         key = (action.stage_index, action.microbatch_index)
-        self.bwd_recvs[key] = _batch_p2p(self.stages[action.stage_index].get_bwd_recv_ops(key[1]))
+        self.bwd_recvs[key] = self._post(self.stages[action.stage_index].get_bwd_recv_ops(key[1]), action)
 
     # -- FSDP -------------------------------------------------------------------------------
     def unshard(self, action: _Action) -> None:
