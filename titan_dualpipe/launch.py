@@ -40,10 +40,22 @@ _OPTIONS: dict[str, dict] = {
 }
 
 
-def _add_options(parser: argparse.ArgumentParser, with_defaults: bool = True) -> argparse.ArgumentParser:
-    for flag, spec in _OPTIONS.items():
+def add_options(parser: argparse.ArgumentParser, options: dict[str, dict],
+                with_defaults: bool = True) -> argparse.ArgumentParser:
+    """Add ``{flag: add_argument keywords}`` to ``parser`` (without defaults: only given ones are set)."""
+    for flag, spec in options.items():
         parser.add_argument(flag, **(spec if with_defaults else {**spec, "default": argparse.SUPPRESS}))
     return parser
+
+
+def take_back_options(args: argparse.Namespace, options: dict[str, dict]) -> list[str]:
+    """A command's own ``options`` may also follow CONFIG, where the ``overrides`` remainder
+    swallowed them: set them on ``args``; returns the rest of the remainder."""
+    parser = add_options(argparse.ArgumentParser(add_help=False), options, with_defaults=False)
+    late, rest = parser.parse_known_args(args.overrides)
+    for key, value in vars(late).items():
+        setattr(args, key, value)
+    return rest
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,19 +67,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="torchtitan 0.2.2: a TOML (train_configs/debug_dualpipev.toml); 0.3.0: a config "
                                   "name (debug_dualpipev)")
-    _add_options(p)
+    add_options(p, _OPTIONS)
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan overrides, e.g. --training.steps 20")
     p.set_defaults(func=run)
 
 
 def split_arguments(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
-    """Our options may also follow CONFIG, where the remainder swallowed them: take them back."""
-    late, rest = _add_options(argparse.ArgumentParser(add_help=False), with_defaults=False).parse_known_args(
-        args.overrides
-    )
-    for key, value in vars(late).items():
-        setattr(args, key, value)
-    return args, rest
+    """Our options may also follow CONFIG (see :func:`take_back_options`)."""
+    return args, take_back_options(args, _OPTIONS)
 
 
 def config_arguments(config: str, module: str, registry: bool) -> list[str]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..launch import add_options, take_back_options
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -62,24 +63,17 @@ BY_LABEL = {v.label: v for v in VARIANTS}
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 
 
-def _options(labels: str) -> dict[str, dict]:
-    return {
-        "--nproc": dict(type=int, default=None, help="number of processes (required)"),
-        "--comm-ratio": dict(type=float, default=1.0,
-                             help="emulated cost of a MoE block's four all-to-all exchanges / its compute (0: none)"),
-        "--rounds": dict(type=int, default=2, help="rounds; each runs every schedule once"),
-        "--steps": dict(type=int, default=8, help="training steps per run"),
-        "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
-        "--schedules": dict(default=labels, help="comma-separated, from: " + labels),
-        "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
-        "--json": dict(action="store_true", default=False, help="print JSON instead of a table"),
-    }
-
-
-def _add_options(parser: argparse.ArgumentParser, with_defaults: bool = True) -> argparse.ArgumentParser:
-    for flag, spec in _options(", ".join(v.label for v in VARIANTS)).items():
-        parser.add_argument(flag, **(spec if with_defaults else {**spec, "default": argparse.SUPPRESS}))
-    return parser
+OPTIONS: dict[str, dict] = {
+    "--nproc": dict(type=int, default=None, help="number of processes (required)"),
+    "--comm-ratio": dict(type=float, default=1.0,
+                         help="emulated cost of a MoE block's four all-to-all exchanges / its compute (0: none)"),
+    "--rounds": dict(type=int, default=2, help="rounds; each runs every schedule once"),
+    "--steps": dict(type=int, default=8, help="training steps per run"),
+    "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
+    "--schedules": dict(default=",".join(BY_LABEL), help="comma-separated, from: " + ", ".join(BY_LABEL)),
+    "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
+    "--json": dict(action="store_true", default=False, help="print JSON instead of a table"),
+}
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -88,18 +82,14 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("titan", help="torchtitan training under each schedule (paired rotated rounds)",
                          description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("config", help="torchtitan 0.2.2: a TOML; 0.3.0: a config name (see `titan-dualpipe train`)")
-    _add_options(p)
+    add_options(p, OPTIONS)
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan overrides for every run")
     p.set_defaults(func=run)
 
 
 def split_arguments(args: argparse.Namespace) -> argparse.Namespace:
-    """Our options may also follow CONFIG, where the remainder swallowed them: take them back."""
-    late, rest = _add_options(argparse.ArgumentParser(add_help=False), with_defaults=False).parse_known_args(
-        args.overrides)
-    for key, value in vars(late).items():
-        setattr(args, key, value)
-    args.overrides = rest
+    """Our options may also follow CONFIG (see :func:`titan_dualpipe.launch.take_back_options`)."""
+    args.overrides = take_back_options(args, OPTIONS)
     return args
 
 
