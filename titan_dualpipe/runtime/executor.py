@@ -56,6 +56,7 @@ from .._compat import (
     _wait_batch_p2p,
 )
 from .failures import PeerFailed, peer_failed, record
+from .fsdp import fsdp_modules, unshard_all
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
 from .timeline import TimedAction
@@ -325,17 +326,14 @@ class StepExecutor:
         stage = self.stages[action.stage_index]
         if isinstance(stage.submod, FSDPModule):
             handles = self.schedule.unshard_ops[action.stage_index]
-            for module in stage.submod.modules():
-                if isinstance(module, FSDPModule):
-                    handles.append(module.unshard(async_op=True))
+            handles.extend(module.unshard(async_op=True) for module in fsdp_modules(stage.submod))
 
     def reshard(self, action: _Action) -> None:
         stage = self.stages[action.stage_index]
         if isinstance(stage.submod, FSDPModule):
             self.schedule._assert_unsharded(stage)  # finishes a pending unshard first
-            for module in stage.submod.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            for module in fsdp_modules(stage.submod):
+                module.reshard()
             self.schedule.unsharded_stages.discard(action.stage_index)
 
     def reduce_grad(self, action: _Action) -> None:
@@ -357,8 +355,5 @@ def _unshard_nested(stage: Any) -> None:
     Unsharded, it lists the same parameter objects the forward used. (The backward
     pre-hooks would unshard these modules moments later anyway.)
     """
-    if not SPLIT_BACKWARD_NEEDS_UNSHARD:
-        return
-    for module in stage.submod.modules():
-        if isinstance(module, FSDPModule):
-            module.unshard()
+    if SPLIT_BACKWARD_NEEDS_UNSHARD:
+        unshard_all(stage.submod)

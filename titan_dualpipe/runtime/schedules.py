@@ -12,7 +12,6 @@ from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from .._compat import (
     PipelineStage,
@@ -30,6 +29,7 @@ from .timeline import TimedAction
 from .agreement import agree
 from .executor import StepExecutor
 from .failures import schedule_scope, step_scope
+from .fsdp import unshard_all
 from .p2p import swap
 from .pairs import PairRunner, pair_runner
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
@@ -308,9 +308,7 @@ class ScheduleDualPipe(_DualPipeFamily):
         # points the twin rank (waiting for shapes from a neighbour) does not reach in step.
         if self.fsdp_at_step_edges:
             for stage in sorted(self._stages, key=lambda s: self.placement.model_part(s.stage_index)):
-                for module in stage.submod.modules():
-                    if isinstance(module, FSDPModule):
-                        module.unshard()
+                unshard_all(stage.submod)
 
     def sync_twin_weights(self) -> None:
         """Copy each direction-0 part onto its direction-1 twin (collective over twin pairs;

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .._compat import fsdp_gradient_divide_factors
+from .fsdp import fsdp_mesh, fsdp_modules
 from .p2p import swap
 
 
@@ -61,12 +62,8 @@ def folded_into_fsdp(modules: list[nn.Module], twin_rank: int) -> bool:
     global rank ``twin_rank``: the two copies of each part are then one sharded parameter
     (twins folded into data parallelism) and FSDP's reduction sums them."""
     for module in modules:
-        if not isinstance(module, FSDPModule):
-            return False
-        param = next((p for p in module.parameters() if hasattr(p, "device_mesh")), None)
-        if param is None or param.device_mesh.ndim != 1:
-            return False
-        if twin_rank not in dist.get_process_group_ranks(param.device_mesh.get_group()):
+        mesh = fsdp_mesh(module) if isinstance(module, FSDPModule) else None
+        if mesh is None or mesh.ndim != 1 or twin_rank not in dist.get_process_group_ranks(mesh.get_group()):
             return False
     return True
 
@@ -77,11 +74,11 @@ def prepare_folded(modules: list[nn.Module]) -> None:
     reduction sums the twins: FSDP's default mean over its mesh (twins x replicas) becomes a
     mean over the replicas. An explicit divide factor (torchtitan's, say) is kept."""
     for module in modules:
-        for fsdp_module in (m for m in module.modules() if isinstance(m, FSDPModule)):
+        twins_and_replicas = fsdp_mesh(module).size()
+        for fsdp_module in fsdp_modules(module):
             fsdp_module.set_reshard_after_forward(False, recurse=False)
             if any(f is None for f in fsdp_gradient_divide_factors(fsdp_module)):
-                mesh_size = next(p for p in module.parameters() if hasattr(p, "device_mesh")).device_mesh.size()
-                fsdp_module.set_gradient_divide_factor(mesh_size / 2)
+                fsdp_module.set_gradient_divide_factor(twins_and_replicas / 2)
 
 
 def _params_by_part(modules_by_part: dict[int, nn.Module]) -> list[nn.Parameter]:
@@ -131,9 +128,8 @@ def copy_to_twin(
 
 def _reshard(module: nn.Module) -> None:
     """Free the gathered parameters of every FSDP2 module in ``module`` (no-op when sharded)."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for m in fsdp_modules(module):
+        m.reshard()
 
 
 def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""FSDP2 helpers of the runtime: a stage module's FSDP modules and the mesh it is sharded over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """``module`` and its submodules that FSDP2 manages, in module order."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def unshard_all(module: nn.Module) -> None:
+    """Gather the parameters of every FSDP2 module in ``module`` (waits for them)."""
+    for m in fsdp_modules(module):
+        m.unshard()
+
+
+def fsdp_mesh(module: nn.Module) -> Any:
+    """The device mesh of ``module``'s first sharded parameter (None: nothing sharded)."""
+    param = next((p for p in module.parameters() if hasattr(p, "device_mesh")), None)
+    return None if param is None else param.device_mesh
