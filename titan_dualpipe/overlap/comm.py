@@ -29,12 +29,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .._compat import post_all_to_all_single, wait_collective
 from .relay import hand_over
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,17 @@ class CommStats:
     def reset(self) -> None:
         self.posted, self.waited_s = 0, 0.0
         self.gpu_stalls.clear()
+
+    def wait_until(self, ready_at: float, wait: Callable[[], T]) -> T:
+        """``wait()``, then sleep until ``ready_at`` (``time.perf_counter`` seconds: an emulated
+        network's end); the time blocked counts as exposed."""
+        start = time.perf_counter()
+        result = wait()
+        remaining = ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self.waited_s += time.perf_counter() - start
+        return result
 
     def collect(self) -> float:
         """``waited_s``, with the GPU stalls recorded so far added (synchronizes the GPU)."""
@@ -121,13 +135,7 @@ class PendingAllToAll:
         if self.output.is_cuda:
             self._wait_on_gpu()
         else:
-            start = time.perf_counter()
-            if self._work is not None:
-                self._work.wait()
-            remaining = self._ready_at - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
-            self._stats.waited_s += time.perf_counter() - start
+            self._stats.wait_until(self._ready_at, self._work.wait if self._work is not None else lambda: None)
         self._done = True
         return self.output
 
@@ -275,14 +283,8 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
     hand_over()  # the partner half of a relayed pair computes while this one is in flight
     if cost is None:
         return wait_collective(pending)
-    waiting_from = time.perf_counter()
-    out = wait_collective(pending)
-    remaining = posted_at + cost.seconds - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
     cost.stats.posted += 1
-    cost.stats.waited_s += time.perf_counter() - waiting_from
-    return out
+    return cost.stats.wait_until(posted_at + cost.seconds, lambda: wait_collective(pending))
 
 
 def relayed_all_to_all_single(
