@@ -16,8 +16,14 @@ def swap(send: list[torch.Tensor], recv_like: list[torch.Tensor], peer: int,
     without buffering (NCCL), whichever rank posts first.
     """
     received = [torch.empty_like(t) for t in recv_like]
+    swap_into(send, received, peer, group)
+    return received
+
+
+def swap_into(send: list[torch.Tensor], received: list[torch.Tensor], peer: int,
+              group: dist.ProcessGroup | None) -> None:
+    """:func:`swap`, receiving into the caller's ``received`` buffers."""
     ops = [dist.P2POp(dist.isend, t, peer, group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t in received]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    return received

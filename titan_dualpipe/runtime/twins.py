@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .._compat import fsdp_gradient_divide_factors
 from .fsdp import fsdp_mesh, fsdp_modules
-from .p2p import swap
+from .p2p import swap_into
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,9 @@ def _exchange(
     ``recv_like`` (same module part, same parameter order and dtypes).
     """
     layout = _by_dtype(recv_like)
-    shapes = [torch.empty(sum(recv_like[i].numel() for i in idx), dtype=recv_like[idx[0]].dtype,
-                          device=recv_like[idx[0]].device) for idx in layout]
-    buffers = swap(_packed(send), shapes, peer, group)
+    buffers = [torch.empty(sum(recv_like[i].numel() for i in idx), dtype=recv_like[idx[0]].dtype,
+                           device=recv_like[idx[0]].device) for idx in layout]
+    swap_into(_packed(send), buffers, peer, group)
     received: list[torch.Tensor] = list(recv_like)
     for idx, buf in zip(layout, buffers, strict=True):
         for i, chunk in zip(idx, buf.split([recv_like[i].numel() for i in idx])):
