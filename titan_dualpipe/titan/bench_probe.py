@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, EXCHANGE_S_ENV
+from .generation import GEN
 
 
 class _Record:
@@ -74,7 +75,7 @@ def _peak_memory_bytes() -> int:
 
 def _tokens_per_step(trainer: Any) -> int:
     """Tokens one optimizer step trains on, all data-parallel replicas together."""
-    config = getattr(trainer, "job_config", None) or trainer.config  # 0.2.2 / 0.3.0
+    config = GEN.trainer_config(trainer)
     dims = trainer.parallel_dims
     return config.training.local_batch_size * config.training.seq_len * dims.dp_replicate * dims.dp_shard
 

@@ -39,6 +39,10 @@ class Generation:
         section, _, name = dotted.partition(".")
         return f"[{section}] {name}"
 
+    def trainer_config(self, trainer: Any) -> Any:
+        """The config a ``Trainer`` runs: ``job_config`` (0.2.2), ``config`` (0.3.0)."""
+        return trainer.config if self.registry else trainer.job_config
+
     def overlap(self, config: Any) -> bool:
         """Our schedules' ``overlap`` switch: torchtitan's EP-overlap key (0.2.2), ours (0.3.0)."""
         if self.registry:

@@ -77,7 +77,7 @@ def _hook_init_distributed(cls: type) -> None:
 
     @functools.wraps(original)
     def init_distributed(self: Any) -> Any:
-        prepare(getattr(self, "job_config", None) or self.config)  # 0.2.2 / 0.3.0
+        prepare(GEN.trainer_config(self))
         return original(self)
 
     init_distributed._titan_dualpipe = True  # type: ignore[attr-defined]
