@@ -317,33 +317,68 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
     assert run.seconds < 120
 
 
+def _seed_checkpoint(runs_dir: Path, name: str) -> list[str]:
+    """0.2.2: torchtitan's seed checkpoint of ``name`` (one process, no parallelism), and the
+    overrides that start a run from it: the same initial weights under any layout."""
+    seed = runs_dir / f"{name}_seed"
+    _ok(train(name, seed, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+              "--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_degree", "1",
+              "--parallelism.expert_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1", nproc=1))
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
+
+
+def _assert_expert_biases_identical(run: Run, rank0: int, rank1: int) -> None:
+    """Twins folded into FSDP are one parameter (each rank hashes its shard); their MoE routing
+    state is not a parameter: the two copies of each part must hold the same expert biases."""
+    def biases(rank: int, stage: str) -> dict[str, str]:
+        return {k: v for k, v in run.probe(rank)["stages"][stage].items() if "expert_bias" in k}
+
+    assert biases(rank0, "0") == biases(rank1, "2") and biases(rank0, "0")
+    assert biases(rank1, "1") == biases(rank0, "3") and biases(rank1, "1")
+
+
 @pytest.mark.titan_e2e
 def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     """deepseek_v3 MoE debug model, pp=2 x EP 2 on CPU. Twins (global ranks 0/2 and 1/3 hold
-    the same parts, same expert shard) end with identical weights and expert biases: each
-    copy counts the twin's routed tokens too before the bias update.
+    the same parts, same expert shard) keep the same expert biases: each copy counts the twin's
+    routed tokens too before the bias update. On 0.2.2 the twins are folded into FSDP (each part
+    sharded over all 4 ranks); a run that sums them by an exchange instead
+    (``TITAN_DUALPIPE_FOLD_TWINS=0``), from the same seed checkpoint, ends with identical
+    twins and logs the same losses and grad norms (within float summation order; a twin counted
+    twice or not at all would be sqrt(2) or 2x off).
 
     The pairs' halves switch at torchtitan's expert-parallel all-to-all; a run with the
-    pairs sequential ends with bitwise the same weights and logs the same losses. (Both use
+    pairs sequential ends with bitwise the same weights and logs the same losses. (These use
     deterministic algorithms: without them this MoE model is not bitwise reproducible on
     CPU even between two identical sequential runs.)"""
     steps = 5
-    deterministic = "--debug.deterministic"
-    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe", deterministic, probe=True, nproc=4, steps=steps))
+    folds = not REGISTRY  # 0.3.0 builds FSDP meshes its own way: twins summed by the exchange
+    common = ["--debug.deterministic", *(_seed_checkpoint(runs_dir, "debug_moe_dualpipe") if folds else [])]
+    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe", *common, probe=True, nproc=4, steps=steps))
     _assert_trains(run.losses(), steps)
     logged = run.logged()
     assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
+    assert all(run.probe(rank)["folded"] is folds for rank in range(4))
     assert any("moe.expert_bias" in name for name in run.probe(0)["stages"]["0"])
-    _assert_twins_identical(run, 0, 2)
-    _assert_twins_identical(run, 1, 3)
+    for rank0, rank1 in ((0, 2), (1, 3)):
+        (_assert_expert_biases_identical if folds else _assert_twins_identical)(run, rank0, rank1)
 
-    sequential = _ok(train("debug_moe_dualpipe", runs_dir / "moe_sequential", deterministic, *NO_OVERLAP, probe=True,
+    sequential = _ok(train("debug_moe_dualpipe", runs_dir / "moe_sequential", *common, *NO_OVERLAP, probe=True,
                            nproc=4, steps=steps))
     assert sequential.logged() == logged
     for rank in range(4):
         relayed, plain = run.probe(rank), sequential.probe(rank)
         assert relayed["relayed"]["hand_overs"] > 0 and plain["relayed"]["pairs"] == 0, (relayed, plain)
         assert relayed["stages"] == plain["stages"]
+
+    if folds:
+        exchange = _ok(train("debug_moe_dualpipe", runs_dir / "moe_exchange", *common, probe=True, nproc=4,
+                             steps=steps, env={"TITAN_DUALPIPE_FOLD_TWINS": "0"}))
+        assert all(exchange.probe(rank)["folded"] is False for rank in range(4))
+        _assert_twins_identical(exchange, 0, 2)
+        _assert_twins_identical(exchange, 1, 3)
+        _assert_close(run.losses(), exchange.losses(), rel=1e-3)
+        _assert_close(run.grad_norms(), exchange.grad_norms(), rel=1e-3)
 
 
 @pytest.mark.titan_e2e
@@ -822,6 +857,107 @@ def test_moe_twin_expert_counts_summed(tmp_path: Path) -> None:
     results = mp.Manager().dict()
     mp.spawn(_twin_counts_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     assert results[0] == results[1] == [[10.0] * 4, [12.0] * 4]
+
+
+def test_folded_rank_map_puts_twins_side_by_side() -> None:
+    """torchtitan numbers rank (pipeline rank p, replica d, rest x) as (p*dpr + d)*rest + x; in
+    the folded order (pair, replica, twin, rest) each run of 2*rest ranks is one replica's
+    slice of a twin pair: pipeline ranks r and pp-1-r."""
+    from titan_dualpipe.titan.fold import folded_rank_map
+
+    for pp, dpr, world in ((2, 1, 4), (4, 1, 8), (4, 2, 16), (8, 1, 8), (2, 2, 8)):
+        order = folded_rank_map(pp, dpr, world)
+        assert sorted(order) == list(range(world))
+        rest = world // (pp * dpr)
+        for start in range(0, world, 2 * rest):
+            run = order[start:start + 2 * rest]
+            pipeline = [r // rest // dpr for r in run]
+            assert len({r // rest % dpr for r in run}) == 1, (pp, dpr, run)
+            assert set(pipeline[:rest]) | set(pipeline[rest:]) == {pipeline[0], pp - 1 - pipeline[0]}, (pp, dpr, run)
+    with pytest.raises(ValueError, match="even pp"):
+        folded_rank_map(3, 1, 6)
+
+
+def _fold_worker(rank: int, init_file: str, results) -> None:
+    """4 processes = pp 2 x fsdp 2 with EP 2 over the fsdp ranks, torchtitan's layout."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titan_dualpipe.runtime.twins import folded_into_fsdp
+    from titan_dualpipe.titan.cpu import AllReduceScatter
+    from titan_dualpipe.titan.fold import build_folded_meshes
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    dims = SimpleNamespace(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, etp=1, world_size=4)
+    meshes = build_folded_meshes(dims, "cpu")
+    mesh = {name: meshes.lookup([name]) for name in ("fsdp", "efsdp", "ep")}
+    twin = (rank + 2) % 4  # pipeline rank 1 - p, same fsdp index
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(distribute_tensor(torch.ones(4, 8, 8), mesh["ep"], [Shard(0)]))
+
+        def forward(self, scale: torch.Tensor) -> torch.Tensor:
+            return self.w.to_local().sum() * scale
+
+    def model(dense_mesh):  # a dense layer and 4 experts split over EP, FSDP-sharded as torchtitan does
+        m = nn.Module()
+        m.dense, m.experts = nn.Linear(8, 8), Experts()
+        fully_shard(m.experts, mesh=mesh["efsdp"])
+        fully_shard(m.dense, mesh=dense_mesh)
+        return m
+
+    def grads(m, comm=None):
+        for fsdp_module in (m.dense, m.experts):  # sums, as torchtitan's CPU runs reduce them
+            fsdp_module.set_gradient_divide_factor(1.0)
+            fsdp_module.set_force_sum_reduction_for_comms(True)
+            if comm is not None:
+                fsdp_module.set_custom_reduce_scatter(comm)
+        (m.dense(torch.full((2, 8), float(rank + 1))).sum() + m.experts(torch.tensor(float(rank + 1)))).backward()
+        return [p.grad.to_local().clone() for p in (m.dense.weight, m.dense.bias, m.experts.w)]
+
+    folded = model(mesh["fsdp"])
+    default, all_reduced = grads(folded), grads(model(mesh["fsdp"]), AllReduceScatter())
+    results[rank] = {
+        "groups": {name: dist.get_process_group_ranks(m.get_group()) for name, m in mesh.items()},
+        "folded": folded_into_fsdp([folded], twin),
+        "not_twin": folded_into_fsdp([folded], (rank + 1) % 4)[0],
+        "half_folded": folded_into_fsdp([model(mesh["ep"])], twin),  # dense over a group without the twin
+        "outside_fsdp": folded_into_fsdp([folded, nn.Linear(2, 2)], twin),
+        "same_sums": all(torch.equal(a, b) for a, b in zip(default, all_reduced)),
+        "grad_sums": [float(g.sum()) for g in default],
+    }
+    dist.destroy_process_group()
+
+
+def test_twins_fold_into_torchtitan_style_fsdp_and_ep_meshes(tmp_path: Path) -> None:
+    """The folded meshes on torchtitan's layout (pp 2 x fsdp 2, EP 2): ``fsdp`` spans both
+    pipeline ranks, ``efsdp`` each rank and its twin, ``ep`` stays within a pipeline rank, and
+    FSDP2 composes ``efsdp`` with ``ep`` (one root). Gradients are summed over twins and
+    replicas; the schedule's check sees every module folded, and names a rank folded in part.
+    CPU mode's all-reduce-based reduce-scatter gives the same sums as gloo's reduce-scatter."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_fold_worker, args=(str(tmp_path / "init"), results), nprocs=4)
+    for rank in range(4):
+        got = results[rank]
+        assert got["groups"] == {"fsdp": [0, 1, 2, 3], "efsdp": sorted([rank, (rank + 2) % 4]),
+                                 "ep": [rank - rank % 2, rank - rank % 2 + 1]}, got
+        assert got["folded"] == (True, "") and got["not_twin"] is False
+        assert got["half_folded"][0] is False and "1 of 2 FSDP parameter groups" in got["half_folded"][1]
+        assert "outside FSDP" in got["outside_fsdp"][1], got["outside_fsdp"]
+        assert got["same_sums"], got
+        # dense: inputs rank+1 summed over all 4 ranks (weight: 2 of 8 rows, 2 rows of input each;
+        # bias: 2 of 8); experts: this EP shard's scale summed over the rank and its twin
+        experts = 64 * (1 + 3 if rank % 2 == 0 else 2 + 4)
+        assert got["grad_sums"] == [16 * 2 * 10, 2 * 2 * 4, experts], (rank, got["grad_sums"])
 
 
 def test_untested_torchtitan_is_refused_by_name() -> None:

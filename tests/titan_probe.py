@@ -5,8 +5,9 @@ torchtitan 0.2.2 loads it with ``--experimental.custom_import titan_probe``; on 
 documents), so ``--module titan_probe --config debug_dualpipe`` runs our config with the probe.
 
 With ``PROBE_ENV`` set it records, at ``Trainer.close``, each rank's schedule class, its
-``overlap`` setting, how many pairs ran as a relay and how often their halves switched, and a
-hash of every parameter (and MoE expert bias) of every stage.
+``overlap`` setting, whether DualPipe's twins were folded into FSDP, how many pairs ran as a
+relay and how often their halves switched, and a hash of every parameter (and MoE expert
+bias) of every stage (this rank's shard of it).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _install_probe(out_dir: str) -> None:
                 "schedule_mro": [c.__module__ + "." + c.__name__ for c in type(schedule).__mro__],
                 "overlap_callback": OVERLAP_F_B in schedule._comp_type_to_function_map,
                 "overlap": getattr(schedule, "overlap", None),
+                "folded": getattr(schedule, "fsdp_at_step_edges", None),
                 "relayed": relayed,
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
             }

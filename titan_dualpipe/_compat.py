@@ -171,15 +171,32 @@ def runnable_on_gloo(schedule: PipelineScheduleMulti) -> PipelineScheduleMulti:
     return schedule
 
 
-def fsdp_gradient_divide_factors(module: Any) -> list[float | None]:
-    """The gradient divide factor of each FSDP2 parameter group of ``module`` (None: FSDP's
-    default, the mean over its mesh). FSDP keeps one group per module before torch 2.13
+def _fsdp_param_groups(module: Any) -> list[Any]:
+    """FSDP2's parameter groups of ``module``: one per module before torch 2.13
     (``_fsdp_param_group``), a list from 2.13 on (``_fsdp_param_groups``)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return [group.gradient_divide_factor for group in groups]
+    return list(groups)
+
+
+def fsdp_gradient_divide_factors(module: Any) -> list[float | None]:
+    """The gradient divide factor of each FSDP2 parameter group of ``module`` (None: FSDP's
+    default, the mean over its mesh)."""
+    return [group.gradient_divide_factor for group in _fsdp_param_groups(module)]
+
+
+def fsdp_data_parallel_sizes(module: Any) -> list[int]:
+    """Ranks each FSDP2 parameter group of ``module`` averages over by default (its data-parallel
+    mesh: shard x replicate; an expert group's mesh excludes the expert-parallel dimension)."""
+    return [group.mesh_info.mesh.size() for group in _fsdp_param_groups(module)]
+
+
+def fsdp_shard_group_ranks(module: Any) -> list[list[int]]:
+    """Global ranks of the process group each FSDP2 parameter group of ``module`` shards over
+    (HSDP: the shard dimension's group)."""
+    return [dist.get_process_group_ranks(group.mesh_info.shard_process_group) for group in _fsdp_param_groups(module)]
 
 
 def default_store() -> dist.Store:
@@ -312,7 +329,9 @@ __all__ = [
     "agreed_inference_mode",
     "check_torch_version",
     "default_store",
+    "fsdp_data_parallel_sizes",
     "fsdp_gradient_divide_factors",
+    "fsdp_shard_group_ranks",
     "get_schedule_class",
     "initialize_stages",
     "input_grads",

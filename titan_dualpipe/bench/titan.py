@@ -38,15 +38,18 @@ from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record; unset: no probe
 EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all
 CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
+FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One benchmarked configuration: torchtitan's schedule name and our overlap switch."""
+    """One benchmarked configuration: torchtitan's schedule name, our overlap switch, and
+    whether DualPipe may fold its twins into FSDP (:mod:`titan_dualpipe.titan.fold`)."""
 
     label: str
     schedule: str
     overlap: bool | None = None  # None: the config's own setting (torch's schedules ignore it)
+    fold_twins: bool = True
 
 
 VARIANTS = (
@@ -58,6 +61,7 @@ VARIANTS = (
     Variant("DualPipeV sequential", "DualPipeV", overlap=False),
     Variant("DualPipe", "DualPipe", overlap=True),
     Variant("DualPipe sequential", "DualPipe", overlap=False),
+    Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
@@ -150,7 +154,8 @@ class Launcher:
         argv += ["--dump_folder" if self.registry else "--job.dump_folder", str(out / "dump")]
         argv += ["--training.steps", str(steps), "--parallelism.pipeline_parallel_schedule", variant.schedule]
         argv += [self._overlap_flag(variant.overlap)] if variant.overlap is not None else []
-        env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s)}
+        env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
+               FOLD_ENV: "1" if variant.fold_twins else "0"}
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})
         log = out / "log.txt"

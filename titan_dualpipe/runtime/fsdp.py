@@ -1,8 +1,6 @@
-"""FSDP2 helpers of the runtime: a stage module's FSDP modules and the mesh it is sharded over."""
+"""FSDP2 helpers of the runtime: a stage module's FSDP modules, gathered together."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -18,8 +16,3 @@ def unshard_all(module: nn.Module) -> None:
     for m in fsdp_modules(module):
         m.unshard()
 
-
-def fsdp_mesh(module: nn.Module) -> Any:
-    """The device mesh of ``module``'s first sharded parameter (None: nothing sharded)."""
-    param = next((p for p in module.parameters() if hasattr(p, "device_mesh")), None)
-    return None if param is None else param.device_mesh

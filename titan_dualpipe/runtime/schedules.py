@@ -291,8 +291,8 @@ class ScheduleDualPipe(_DualPipeFamily):
 
     def _folds_twins(self) -> bool:
         modules = [s.submod for s in self._stages]
-        folded = folded_into_fsdp(modules, self._twin_peer())
-        table = agree("", self._stages[0].group, self._stages[0].device, facts=[int(folded)])
+        folded, problem = folded_into_fsdp(modules, self._twin_peer())
+        table = agree(problem, self._stages[0].group, self._stages[0].device, facts=[int(folded)])
         if table[:, 1].any() and not table[:, 1].all():  # half-folded pipelines would misalign FSDP's collectives
             ranks = [r for r in range(len(table)) if table[r, 1]]
             raise ValueError(f"DualPipe: the twins of pipeline ranks {ranks} are folded into FSDP (each part sharded "

@@ -13,10 +13,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from .._compat import fsdp_gradient_divide_factors
-from .fsdp import fsdp_mesh, fsdp_modules
+from .._compat import fsdp_data_parallel_sizes, fsdp_gradient_divide_factors, fsdp_shard_group_ranks
+from .fsdp import fsdp_modules
 from .p2p import swap_into
 
 
@@ -57,15 +56,26 @@ def _exchange(
     return received
 
 
-def folded_into_fsdp(modules: list[nn.Module], twin_rank: int) -> bool:
-    """Whether every module is FSDP2-sharded over a one-dimensional mesh whose ranks include
-    global rank ``twin_rank``: the two copies of each part are then one sharded parameter
-    (twins folded into data parallelism) and FSDP's reduction sums them."""
-    for module in modules:
-        mesh = fsdp_mesh(module) if isinstance(module, FSDPModule) else None
-        if mesh is None or mesh.ndim != 1 or twin_rank not in dist.get_process_group_ranks(mesh.get_group()):
-            return False
-    return True
+def folded_into_fsdp(modules: list[nn.Module], twin_rank: int) -> tuple[bool, str]:
+    """``(folded, problem)``: whether FSDP2 shards every module over a group that holds global
+    rank ``twin_rank`` (HSDP: its shard group). The two copies of each part are then one sharded
+    parameter (twins folded into data parallelism) and FSDP's reduction sums them.
+
+    ``problem`` is non-empty when a rank is folded only in part: some FSDP modules (or
+    parameters outside FSDP) would then miss the twin sum, whichever way it were done."""
+    verdicts = [twin_rank in ranks for module in modules for fsdp_module in fsdp_modules(module)
+                for ranks in fsdp_shard_group_ranks(fsdp_module)]
+    if not verdicts or not any(verdicts):
+        return False, ""
+    unsharded = [name for module in modules for name, p in module.named_parameters() if not hasattr(p, "device_mesh")]
+    if all(verdicts) and not unsharded:
+        return True, ""
+    return False, (
+        f"DualPipe: on global rank {dist.get_rank()} {verdicts.count(True)} of {len(verdicts)} FSDP parameter groups "
+        f"shard over a group holding the twin rank {twin_rank}, the rest do not"
+        + (f", and parameters {unsharded[:3]} are outside FSDP" if unsharded else "")
+        + "; fold the twins (each part sharded over twins x replicas) for every module of both stages, or for none"
+    )
 
 
 def prepare_folded(modules: list[nn.Module]) -> None:
@@ -74,11 +84,11 @@ def prepare_folded(modules: list[nn.Module]) -> None:
     reduction sums the twins: FSDP's default mean over its mesh (twins x replicas) becomes a
     mean over the replicas. An explicit divide factor (torchtitan's, say) is kept."""
     for module in modules:
-        twins_and_replicas = fsdp_mesh(module).size()
         for fsdp_module in fsdp_modules(module):
             fsdp_module.set_reshard_after_forward(False, recurse=False)
-            if any(f is None for f in fsdp_gradient_divide_factors(fsdp_module)):
-                fsdp_module.set_gradient_divide_factor(twins_and_replicas / 2)
+            factors, sizes = fsdp_gradient_divide_factors(fsdp_module), fsdp_data_parallel_sizes(fsdp_module)
+            if any(f is None for f in factors):
+                fsdp_module.set_gradient_divide_factor(max(sizes) / 2)
 
 
 def _params_by_part(modules_by_part: dict[int, nn.Module]) -> list[nn.Parameter]:

@@ -15,6 +15,9 @@ torchtitan assumes an accelerator. What breaks without one, each fixed here:
    divide factor to 1, which FSDP2 turns into a ``ReduceOp.PREMUL_SUM(1.0)`` reduce-scatter,
    an op gloo lacks. The same call now also asks for SUM-only collectives
    (``set_force_sum_reduction_for_comms``): a SUM and a division by 1, the same gradients.
+   Its reduce-scatters run as an all-reduce of the whole buffer that keeps the rank's slice
+   (:class:`AllReduceScatter`): gloo's reduce-scatter takes about twice as long as its
+   all-reduce of the same buffer, for every schedule alike.
 5. 0.2.2's MoE layers use an integer ``torch.histc`` and a Triton kernel: :mod:`.cpu_moe`.
 6. 0.3.0's decoders attend with flex attention, which has no backward on CPU:
    :mod:`.cpu_attention`.
@@ -76,12 +79,28 @@ class CpuDeviceModule:
         """The CPU allocator keeps no cache to release."""
 
 
+class AllReduceScatter:
+    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) as an all-reduce of the
+    whole buffer, of which this rank keeps its slice: the same sum in every slice. On gloo
+    (4 processes on 2 cores, 130 MiB) ``reduce_scatter_tensor`` took 400 ms, ``all_reduce``
+    203 ms. FSDP calls it synchronously with the SUM that CPU mode forces."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        torch.distributed.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
+
+
 def with_sum_only_reductions(disable_division: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
     def disable_fsdp_gradient_division(model: nn.Module) -> None:
         disable_division(model)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+                module.set_custom_reduce_scatter(AllReduceScatter())
 
     disable_fsdp_gradient_division._titan_dualpipe = True  # type: ignore[attr-defined]
     return disable_fsdp_gradient_division

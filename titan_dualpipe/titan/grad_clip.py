@@ -8,11 +8,18 @@ reduces it over the PP group, so it would count every gradient twice (norm x sqr
 Here the norm is taken over the direction-0 copies only (together, over the PP ranks, they
 are the model exactly once), with torchtitan's own function, which also clips them; the
 direction-1 copies are then scaled by the same ``total_norm``, so the twins stay identical.
+
+Twins folded into FSDP (:mod:`.fold`) are one sharded parameter: each rank's two parts are
+shards, and a part's shards lie on its two twin ranks. torchtitan's norm over all of them
+(each DTensor's norm reduced over its mesh, twins included, then summed over the PP group)
+counts every part once per twin rank: twice. The norm is that of torchtitan's function
+(asked not to clip) with the double count taken out, and every shard is clipped by it.
 Any other schedule goes straight to torchtitan's function.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -47,6 +54,13 @@ def make_clip_grad_norm(original: Callable[..., torch.Tensor]) -> Callable[..., 
         pp_mesh: Any = None,
         ep_enabled: bool = False,
     ) -> torch.Tensor:
+        if ACTIVE.folded:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            doubled = original(params, math.inf, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+            total_norm = doubled if math.isinf(norm_type) else doubled / 2 ** (1.0 / norm_type)
+            for group in _by_mesh([p for p in params if p.grad is not None]):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach)
+            return total_norm
         twins = direction1_parameters()
         if not twins:
             return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import fold
 from .config_check import Plan, our_schedule
 from .generation import GEN
 
@@ -45,6 +46,7 @@ class ActiveRun:
     plan: Plan | None = None
     overlap: bool = True
     stages: list[Any] = field(default_factory=list)
+    folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
 
 
 ACTIVE = ActiveRun()
@@ -94,6 +96,8 @@ def make_module_split(original: Callable[..., tuple[list, list]]) -> Callable[..
         per_stage = stage_module_names(ours, pp_mesh.size(), module_names_per_stage)
         stages, models = original(whole_model, pp_mesh, V_STYLE_NAME, device, per_stage, **kwargs)
         ACTIVE.stages = stages
+        # torchtitan parallelizes the parts next, then builds the schedule (which closes it)
+        fold.WINDOW.open = ours == "DualPipe" and GEN.folds_twins
         return stages, models
 
     return pipeline_module_split
@@ -115,15 +119,21 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     from torchtitan.tools.logging import logger
 
     n = local_batch_size // par.pipeline_parallel_microbatch_size
+    fold.WINDOW.open = False
     # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
                                     overlap=ACTIVE.overlap)
+    ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
+    if fold.WINDOW.used and not ACTIVE.folded:
+        raise RuntimeError("DualPipe: the model parts were sharded over twin pipeline ranks but the schedule does "
+                           f"not see its twins folded into FSDP; set {fold.FOLD_ENV}=0 to sum them by an exchange")
     csv = par.pipeline_parallel_schedule_csv
     if csv:
         schedule._load_csv(csv)
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
+        + (", twins folded into FSDP" if ACTIVE.folded else "")
     )
     return schedule
 
@@ -198,6 +208,8 @@ def install() -> None:
     """Replace the four names in torchtitan's pipeline module and the DualPipeV flag (idempotent)."""
     from torchtitan.distributed import pipeline_parallel as pp_mod
 
+    if GEN.folds_twins:
+        fold.install()
     if not GEN.registry:
         from torchtitan.distributed import dual_pipe_v
 

@@ -1,0 +1,133 @@
+"""DualPipe twins folded into torchtitan's FSDP (torchtitan 0.2.2).
+
+Under DualPipe pipeline ranks ``r`` and ``pp-1-r`` hold the same two model parts. When
+torchtitan shards the parts with FSDP, each part can be sharded over twins x replicas instead
+of replicas alone, as DeepSeek and Megatron fold twins into data parallelism: the two copies
+are then one sharded parameter, FSDP's reduce-scatter sums the twins' gradients together with
+the replicas' (no twin exchange after the step), and weights, gradients and optimizer state
+take half the memory. The schedule notices and moves FSDP's collectives to the step's edges
+(``ScheduleDualPipe.fsdp_at_step_edges``).
+
+torchtitan builds its meshes from a world mesh laid out pipeline-rank-major (``pp``,
+``dp_replicate``, ``fsdp``, ``tp``; experts: ``pp``, ``dp_replicate``, ``efsdp``, ``ep``,
+``etp``), where twin pipeline ranks are not neighbours. Here a second root mesh lists the
+world with each twin pair's ranks side by side (pipeline ranks in the order ``0, pp-1, 1,
+pp-2, ...``), and the same unflattening gives ``fsdp`` and ``efsdp`` dimensions twice as
+large that span both twins. While torchtitan parallelizes DualPipe's model parts, its mesh
+lookups for the dimensions FSDP and expert/tensor parallelism combine (``fsdp``, ``efsdp``,
+``dp_replicate``, ``ep``, ``etp``, ``tp``) answer from that root: the same groups as
+torchtitan's except ``fsdp``/``efsdp``, and one root, which FSDP needs to combine them.
+Every other lookup, and every lookup outside that window, is torchtitan's.
+
+Folding applies when torchtitan applies FSDP (``fsdp`` or ``ep`` degree above 1);
+``TITAN_DUALPIPE_FOLD_TWINS=0`` keeps the twin exchange instead. torchtitan 0.3.0 builds its
+FSDP meshes another way (``spmd_backend``); there the twins are summed by the exchange.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..bench.titan import FOLD_ENV  # "0": sum DualPipe's twins by an exchange even under FSDP
+
+FOLDED_DIMS = frozenset({"fsdp", "efsdp", "dp_replicate", "ep", "etp", "tp"})
+
+
+def fold_enabled() -> bool:
+    return os.environ.get(FOLD_ENV, "1") != "0"
+
+
+def folded_rank_map(pp: int, dp_replicate: int, world_size: int) -> list[int]:
+    """The world's ranks in the folded root mesh's order, ``(pair, dp_replicate, twin, rest)``
+    row-major: torchtitan numbers rank ``(p, d, x)`` (pipeline rank, replica, the rest) as
+    ``(p * dp_replicate + d) * rest + x``; here pipeline ranks ``r`` and ``pp-1-r`` (pair
+    ``r``) follow each other inside each replica slice."""
+    if pp < 2 or pp % 2 or world_size % (pp * dp_replicate):
+        raise ValueError(f"twin folding needs an even pp >= 2 with pp x dp_replicate dividing the world; got "
+                         f"pp={pp}, dp_replicate={dp_replicate}, world size {world_size}")
+    rest = world_size // (pp * dp_replicate)
+    return [(p * dp_replicate + d) * rest + x
+            for r in range(pp // 2) for d in range(dp_replicate) for p in (r, pp - 1 - r) for x in range(rest)]
+
+
+@dataclass
+class FoldedMeshes:
+    """Meshes over one root where ``fsdp`` and ``efsdp`` span twin pipeline ranks."""
+
+    dense: Any  # ("pair", "dp_replicate", "fsdp", "tp")
+    sparse: Any  # ("pair", "dp_replicate", "efsdp", "ep", "etp"); None without expert parallelism
+
+    def lookup(self, dims: list[str]) -> Any:
+        for mesh in (self.dense, self.sparse):
+            if mesh is not None and set(dims) <= set(mesh.mesh_dim_names):
+                return mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]
+        return None
+
+
+def build_folded_meshes(dims: Any, device_type: str) -> FoldedMeshes:
+    """Collective over the world (every rank builds the same groups in the same order)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    fsdp = dims.dp_shard * dims.cp
+    ranks = folded_rank_map(dims.pp, dims.dp_replicate, dims.world_size)
+    root = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("twin_folded_world",))
+
+    def unflatten(names: tuple[str, ...], sizes: tuple[int, ...], real: set[str]) -> Any:
+        fake = {name: "fake" for name, size in zip(names, sizes) if size == 1 and name not in real}
+        return root._unflatten(0, sizes, names, backend_override=fake)
+
+    dense = unflatten(("pair", "dp_replicate", "fsdp", "tp"), (dims.pp // 2, dims.dp_replicate, 2 * fsdp, dims.tp),
+                      set())
+    sparse = None
+    if dims.ep > 1:
+        efsdp = fsdp * dims.tp // (dims.etp * dims.ep)
+        sparse = unflatten(("pair", "dp_replicate", "efsdp", "ep", "etp"),
+                           (dims.pp // 2, dims.dp_replicate, 2 * efsdp, dims.ep, dims.etp), {"efsdp"})
+    return FoldedMeshes(dense, sparse)
+
+
+class FoldWindow:
+    """Whether torchtitan's mesh lookups answer with folded meshes right now (set while
+    DualPipe's model parts are parallelized), and the meshes once built."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.meshes: FoldedMeshes | None = None
+        self.used = False  # an FSDP mesh lookup was answered from the folded root: parts sharded over twins
+
+
+WINDOW = FoldWindow()
+
+
+def applies(dims: Any) -> bool:
+    """Folding can apply: torchtitan will apply FSDP and the layout has twins."""
+    return fold_enabled() and dims.pp >= 2 and dims.pp % 2 == 0 and (dims.fsdp_enabled or dims.ep_enabled)
+
+
+def make_get_optional_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_optional_mesh(self: Any, dims: str | list[str], *args: Any, **kwargs: Any) -> Any:
+        mesh = original(self, dims, *args, **kwargs)
+        names = [dims] if isinstance(dims, str) else list(dims)
+        if mesh is None or not WINDOW.open or not set(names) <= FOLDED_DIMS or not applies(self):
+            return mesh
+        if WINDOW.meshes is None:
+            WINDOW.meshes = build_folded_meshes(self, mesh.device_type)
+        folded = WINDOW.meshes.lookup(names)
+        if folded is None:
+            return mesh
+        WINDOW.used = WINDOW.used or bool({"fsdp", "efsdp"} & set(names))
+        return folded
+
+    get_optional_mesh._titan_dualpipe = True  # type: ignore[attr-defined]
+    return get_optional_mesh
+
+
+def install() -> None:
+    """Route ``ParallelDims.get_optional_mesh`` (``get_mesh`` calls it) through the window (idempotent)."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    if not getattr(ParallelDims.get_optional_mesh, "_titan_dualpipe", False):
+        ParallelDims.get_optional_mesh = make_get_optional_mesh(ParallelDims.get_optional_mesh)
