@@ -446,6 +446,12 @@ def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
         assert figures["peak_memory_bytes"] > 2**20 and figures["step_time"] > 0, (label, figures)
     for label in ("1F1B", "torch DualPipeV"):  # sequential: every exchange waits out its cost
         assert result["schedules"][label]["exposed_comm"] > result["exchange_s"], (label, result)
+    phases = result["phases"]
+    assert "compute" not in phases["1F1B"] and phases["1F1B"]["schedule"] > 0  # torch's executor: not split
+    assert phases["DualPipe"]["compute"] > 0 and phases["DualPipe"]["fsdp_reduce"] > 0, phases["DualPipe"]
+    for label, parts in phases.items():  # the phases of a step add up to about the step
+        step = sum(parts[p] for p in ("schedule", "clip", "optimizer", "other"))
+        assert step == pytest.approx(result["schedules"][label]["step_time"], rel=0.5), (label, parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -992,6 +998,10 @@ def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
               "peak_memory_bytes": 9}]
     figures = bench.summarize([ranks], warmup=1)
     assert figures == pytest.approx({"step_time": 2.0, "tokens_per_s": 50.0, "peak_memory_bytes": 9, "exposed_comm": 0.3})
+    ranks[0]["phases"] = [{"schedule": 9.0}, {"schedule": 1.0, "compute": 0.5}, {"schedule": 2.0, "compute": 1.0},
+                          {"schedule": 3.0, "compute": 1.5}]
+    ranks[1]["phases"] = [{"schedule": 9.0}, {"schedule": 3.0, "clip": 0.2}, {"schedule": 4.0}, {"schedule": 5.0}]
+    assert bench.phase_breakdown([ranks], warmup=1) == pytest.approx({"schedule": 3.0, "compute": 0.5, "clip": 0.0})
     with pytest.raises(ValueError, match="no MoE blocks"):
         bench.block_seconds([{"block_forward_s": [], "block_backward_s": []}])
     with pytest.MonkeyPatch.context() as patch:  # a GPU machine: its network is real

@@ -5,9 +5,11 @@ Every run is ``titan-dualpipe train CONFIG`` with the schedule (and our overlap 
 overridden, measured inside the trainer (:mod:`titan_dualpipe.titan.bench_probe`): seconds per
 training step after ``--warmup`` steps (the slowest rank's, median over steps and rounds),
 tokens per second (all data-parallel replicas), peak memory (CUDA: torch's allocated peak; CPU:
-the process's resident peak), and the expert all-to-all time left exposed per step (mean over
-ranks). Each round runs every schedule once, each round in a rotated order, so drifts of the
-machine fall on all schedules alike.
+the process's resident peak), the expert all-to-all time left exposed per step (mean over
+ranks), and where a step's time goes (``phases``: the pipeline step, split for our schedules
+into compute, pipeline p2p, FSDP gathers and reductions and DualPipe's twin exchange; then
+gradient clipping, the optimizer step and the rest). Each round runs every schedule once, each
+round in a rotated order, so drifts of the machine fall on all schedules alike.
 
 Emulated network (CPU): each expert all-to-all costs ``R`` times the compute it is compared
 with, as in ``bench overlap``: a first 1F1B run times every MoE block's forward and backward,
@@ -61,7 +63,7 @@ VARIANTS = (
     Variant("DualPipeV sequential", "DualPipeV", overlap=False),
     Variant("DualPipe", "DualPipe", overlap=True),
     Variant("DualPipe sequential", "DualPipe", overlap=False),
-    Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),
+    Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
@@ -194,6 +196,21 @@ def summarize(runs: list[list[dict]], warmup: int) -> dict[str, float]:
     }
 
 
+PHASES = ("schedule", "compute", "p2p", "fsdp_gather", "fsdp_reduce", "twin_sum", "clip", "optimizer", "other")
+
+
+def phase_breakdown(runs: list[list[dict]], warmup: int) -> dict[str, float]:
+    """Seconds per step in each phase (mean over ranks, median over measured steps and rounds);
+    a phase no rank recorded (our executor's actions under torch's schedules) is left out."""
+    seen = {phase for records in runs for r in records for step in r["phases"] for phase in step}
+    per_phase: dict[str, list[float]] = {phase: [] for phase in PHASES if phase in seen}
+    for records in runs:
+        for step in range(warmup, len(records[0]["phases"])):
+            for phase, values in per_phase.items():
+                values.append(statistics.mean(r["phases"][step].get(phase, 0.0) for r in records))
+    return {phase: statistics.median(values) for phase, values in per_phase.items()}
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     variants = _check(args)
     with tempfile.TemporaryDirectory(prefix="titan_dualpipe_bench_") as workdir:
@@ -212,6 +229,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps, "warmup": args.warmup,
         "block_compute_s": block_s, "exchange_s": exchange_s,
         "schedules": {label: summarize(r, args.warmup) for label, r in runs.items()},
+        "phases": {label: phase_breakdown(r, args.warmup) for label, r in runs.items()},
     }
 
 
@@ -228,6 +246,11 @@ def format_table(result: dict[str, Any]) -> str:
                      f"MoE block forward+backward {result['block_compute_s'] * 1e3:.2f} ms / {BLOCK_EXCHANGES}")
     lines.append(f"{result['rounds']} rotated rounds x {result['steps'] - result['warmup']} measured steps "
                  f"(after {result['warmup']}), {result['nproc']} processes")
+    lines += ["", "ms per step, mean over ranks (schedule = the pipeline step: compute, p2p, FSDP and twin sum "
+              "are inside it; - : torch's executor, not split)", f"{'schedule':<22}" + "".join(f"{p:>12}" for p in PHASES)]
+    for label, phases in result.get("phases", {}).items():
+        lines.append(f"{label:<22}" + "".join(f"{phases[p] * 1e3:>12.0f}" if p in phases else f"{'-':>12}"
+                                              for p in PHASES))
     return "\n".join(lines)
 
 

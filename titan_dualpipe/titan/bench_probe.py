@@ -10,9 +10,14 @@ Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the run
 - ``Trainer.train_step`` is timed, with the exposed exchange time of each step;
 - with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
   (the compute an exchange is compared with: ``--comm-ratio``);
+- each step is split into phases (seconds on this rank): ``schedule`` (the pipeline step),
+  within it for our schedules ``compute`` (F, B, I, W and overlapped pairs), ``p2p`` (posting
+  and waiting for pipeline sends and receives), ``fsdp_gather``, ``fsdp_reduce`` and
+  ``twin_sum`` (DualPipe's twin exchange); then ``clip``, ``optimizer`` and ``other`` (the
+  rest of the train step: data, loss bookkeeping);
 - at ``Trainer.close`` each rank writes ``bench_rank<R>.json``: step times, exposed seconds per
-  step, block times, global tokens per step and its peak memory (CUDA: allocated by torch; CPU:
-  the process's peak resident set).
+  step, phases per step, block times, global tokens per step and its peak memory (CUDA:
+  allocated by torch; CPU: the process's peak resident set).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import json
 import os
 import resource
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, EXCHANGE_S_ENV
 from .generation import GEN
@@ -34,6 +40,7 @@ class _Record:
         self.exposed_s: list[float] = []
         self.block_forward_s: list[float] = []
         self.block_backward_s: list[float] = []
+        self.phases: list[dict[str, float]] = []  # per step
         self.tokens_per_step = 0
 
 
@@ -65,6 +72,46 @@ def _time_blocks(model_parts: list[Any], record: _Record) -> None:
         block.register_full_backward_hook(end_backward)
 
 
+# our executor's action types (torch's _ComputationType names) -> phase
+ACTION_PHASES = {"FORWARD": "compute", "FULL_BACKWARD": "compute", "BACKWARD_INPUT": "compute",
+                 "BACKWARD_WEIGHT": "compute", "OVERLAP_F_B": "compute", "SEND_F": "p2p", "SEND_B": "p2p",
+                 "RECV_F": "p2p", "RECV_B": "p2p", "UNSHARD": "fsdp_gather", "RESHARD": "fsdp_gather",
+                 "REDUCE_GRAD": "fsdp_reduce"}
+
+
+class _PhaseClock:
+    """Adds the seconds spent in wrapped calls to the current step's phases."""
+
+    def __init__(self) -> None:
+        self.current: Counter[str] = Counter()
+
+    def timed(self, phase: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase(*args) if callable(phase) else phase] += time.perf_counter() - start
+
+        return call
+
+
+def _time_phases(trainer: Any, clock: _PhaseClock) -> None:
+    """Wrap what a train step runs: the pipeline step (and our executor's actions, DualPipe's
+    twin exchange inside it), gradient clipping and the optimizer step."""
+    from torchtitan.distributed import utils as dist_utils
+
+    from ..runtime.executor import StepExecutor
+    from ..runtime.schedules import ScheduleDualPipe
+
+    trainer.pp_schedule.step = clock.timed("schedule", trainer.pp_schedule.step)
+    trainer.optimizers.step = clock.timed("optimizer", trainer.optimizers.step)
+    dist_utils.clip_grad_norm_ = clock.timed("clip", dist_utils.clip_grad_norm_)
+    StepExecutor._perform = clock.timed(lambda _self, action: ACTION_PHASES.get(action.computation_type.name, "p2p"),
+                                        StepExecutor._perform)
+    ScheduleDualPipe._after_step = clock.timed("twin_sum", ScheduleDualPipe._after_step)
+
+
 def _peak_memory_bytes() -> int:
     import torch
 
@@ -93,18 +140,24 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
                          "exchanges cross the real network; run the bench with --comm-ratio 0")
     expert_overlap.install()
     cost = emulate_relayed_exchanges(exchange_s)
-    record = _Record()
+    record, clock = _Record(), _PhaseClock()
 
     for trainer_class in trainer_classes():
         original_step, original_close = trainer_class.train_step, trainer_class.close
 
         def train_step(self: Any, *args: Any, _original: Any = original_step, **kwargs: Any) -> Any:
-            if not record.step_s and calibrate:
-                _time_blocks(self.model_parts, record)
+            if not record.step_s:
+                _time_phases(self, clock)
+                if calibrate:
+                    _time_blocks(self.model_parts, record)
             waited, start = cost.stats.waited_s, time.perf_counter()
+            clock.current.clear()
             result = _original(self, *args, **kwargs)
             record.step_s.append(time.perf_counter() - start)
             record.exposed_s.append(cost.stats.waited_s - waited)
+            phases = dict(clock.current)
+            phases["other"] = record.step_s[-1] - sum(phases.get(k, 0.0) for k in ("schedule", "clip", "optimizer"))
+            record.phases.append(phases)
             record.tokens_per_step = _tokens_per_step(self)
             return result
 
