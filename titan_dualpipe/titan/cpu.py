@@ -30,6 +30,7 @@ _get_available_device_type()`` is not None), so GPU runs are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import platform
@@ -100,7 +101,8 @@ def with_sum_only_reductions(disable_division: Callable[[nn.Module], None]) -> C
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-                module.set_custom_reduce_scatter(AllReduceScatter())
+                with contextlib.suppress(ValueError):  # several parameter groups (per-parameter meshes): keep FSDP's
+                    module.set_custom_reduce_scatter(AllReduceScatter())
 
     disable_fsdp_gradient_division._titan_dualpipe = True  # type: ignore[attr-defined]
     return disable_fsdp_gradient_division
