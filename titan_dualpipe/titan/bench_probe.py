@@ -104,7 +104,9 @@ def _time_phases(trainer: Any, clock: _PhaseClock) -> None:
     from ..runtime.executor import StepExecutor
     from ..runtime.schedules import ScheduleDualPipe
 
-    trainer.pp_schedule.step = clock.timed("schedule", trainer.pp_schedule.step)
+    schedule = getattr(trainer, "pp_schedule", None)  # None: a run without pipeline parallelism
+    if schedule is not None:
+        schedule.step = clock.timed("schedule", schedule.step)
     trainer.optimizers.step = clock.timed("optimizer", trainer.optimizers.step)
     dist_utils.clip_grad_norm_ = clock.timed("clip", dist_utils.clip_grad_norm_)
     StepExecutor._perform = clock.timed(lambda _self, action: ACTION_PHASES.get(action.computation_type.name, "p2p"),
