@@ -303,10 +303,11 @@ def test_finished_run_goes_on_from_its_last_checkpoint(runs_dir: Path, dualpipe_
 @pytest.mark.titan_e2e
 def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> None:
     """Each rank checks the config itself before init_process_group. torchrun stops the other
-    ranks once one has failed; a 3 s monitor interval lets a late-starting rank reach its own
-    check first, so the test sees every rank's error."""
+    ranks once it sees one has failed; its monitor is slowed to 20 s so that a late-starting
+    rank (seconds behind on a loaded machine) reaches its own check first, and the test sees
+    every rank's error."""
     run = train("debug_dualpipe", runs_dir / "bad", "--training.local_batch_size", "2",
-                env={"PET_MONITOR_INTERVAL": "3"})
+                env={"PET_MONITOR_INTERVAL": "20"})
     assert run.returncode != 0
     text = ANSI.sub("", run.output)
     message = f"DualPipe needs at least 2 * {key('parallelism.pipeline_parallel_degree')} = 4 microbatches, got 2"
