@@ -125,6 +125,42 @@ def make_get_optional_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
     return get_optional_mesh
 
 
+class _InitInPartOrder:
+    """Holds each model part's ``init_weights`` until the rank's last part has been called,
+    then runs them all in part order; later calls run at once."""
+
+    def __init__(self, parts: dict[int, Any]) -> None:
+        self.originals = {part: module.init_weights for part, module in parts.items()}
+        self.held: dict[int, tuple[tuple, dict]] | None = {}
+        for part, module in parts.items():
+            module.init_weights = self._hold(part)
+
+    def _hold(self, part: int) -> Callable[..., None]:
+        def init_weights(*args: Any, **kwargs: Any) -> None:
+            if self.held is None:
+                self.originals[part](*args, **kwargs)
+                return
+            self.held[part] = (args, kwargs)
+            if len(self.held) == len(self.originals):
+                held, self.held = self.held, None
+                for p in sorted(held):
+                    self.originals[p](*held[p][0], **held[p][1])
+
+        return init_weights
+
+
+def init_parts_in_order(parts: dict[int, Any]) -> None:
+    """Make every rank initialize its model parts (``{part index: module}``) in part order.
+
+    Twin ranks hold the same two parts in opposite order, and folded, each part's parameters are
+    sharded over both twins, so initializing them is collective (``trunc_normal_`` asks whether
+    any sample fell outside its bounds; from torch 2.14 that all-gathers the sharded mask) and
+    both twins must reach the parts in one order. torchtitan initializes each local part right
+    after moving it off the meta device, in the rank's own order; here those calls are held
+    until the last one and then run in part order, every part already materialized."""
+    _InitInPartOrder(parts)
+
+
 def install() -> None:
     """Route ``ParallelDims.get_optional_mesh`` (``get_mesh`` calls it) through the window (idempotent)."""
     from torchtitan.distributed.parallel_dims import ParallelDims

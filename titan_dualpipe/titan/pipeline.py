@@ -127,6 +127,8 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     if fold.WINDOW.used and not ACTIVE.folded:
         raise RuntimeError("DualPipe: the model parts were sharded over twin pipeline ranks but the schedule does "
                            f"not see its twins folded into FSDP; set {fold.FOLD_ENV}=0 to sum them by an exchange")
+    if ACTIVE.folded:  # stage s holds model part s % pp
+        fold.init_parts_in_order({stage.stage_index % par.pipeline_parallel_degree: stage.submod for stage in stages})
     csv = par.pipeline_parallel_schedule_csv
     if csv:
         schedule._load_csv(csv)
