@@ -931,6 +931,7 @@ def _fold_worker(rank: int, init_file: str, results) -> None:
 
     folded = model(mesh["fsdp"])
     default, all_reduced = grads(folded), grads(model(mesh["fsdp"]), AllReduceScatter())
+    init_order, init_sums = _init_parts_folded(rank, mesh["fsdp"])
     results[rank] = {
         "groups": {name: dist.get_process_group_ranks(m.get_group()) for name, m in mesh.items()},
         "folded": folded_into_fsdp([folded], twin),
@@ -939,8 +940,44 @@ def _fold_worker(rank: int, init_file: str, results) -> None:
         "outside_fsdp": folded_into_fsdp([folded, nn.Linear(2, 2)], twin),
         "same_sums": all(torch.equal(a, b) for a, b in zip(default, all_reduced)),
         "grad_sums": [float(g.sum()) for g in default],
+        "init_order": init_order,
+        "init_sums": init_sums,
     }
     dist.destroy_process_group()
+
+
+def _init_parts_folded(rank: int, fsdp_mesh) -> tuple[list[int], list[float]]:
+    """Two model parts of different sizes sharded over the folded mesh, held in opposite order
+    by twins (pipeline rank 0: parts 0, 1; pipeline rank 1: parts 1, 0) and initialized as
+    torchtitan does, each in the rank's own order. Each init gathers its part's full weight (as
+    torch 2.14's trunc_normal_ gathers its mask), so parts reached in different orders on
+    twins would mismatch the gathers."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_dualpipe.titan.fold import init_parts_in_order
+
+    order: list[int] = []
+    sums: dict[int, float] = {}
+
+    class Part(nn.Linear):
+        def init_weights(self, buffer_device=None) -> None:
+            nn.init.trunc_normal_(self.weight, std=0.02)
+            order.append(self.part)
+            sums[self.part] = float(self.weight.full_tensor().sum())
+
+    with torch.device("meta"):
+        parts = {part: Part(8, 8 * (part + 1)) for part in (0, 1)}
+    for part, module in parts.items():
+        module.part = part
+        fully_shard(module, mesh=fsdp_mesh)
+    init_parts_in_order(parts)
+    for part in (0, 1) if rank // 2 == 0 else (1, 0):
+        parts[part].to_empty(device="cpu")
+        with torch.no_grad():
+            parts[part].init_weights(buffer_device=None)
+    return order, [sums[0], sums[1]]
 
 
 def test_twins_fold_into_torchtitan_style_fsdp_and_ep_meshes(tmp_path: Path) -> None:
@@ -948,7 +985,8 @@ def test_twins_fold_into_torchtitan_style_fsdp_and_ep_meshes(tmp_path: Path) -> 
     pipeline ranks, ``efsdp`` each rank and its twin, ``ep`` stays within a pipeline rank, and
     FSDP2 composes ``efsdp`` with ``ep`` (one root). Gradients are summed over twins and
     replicas; the schedule's check sees every module folded, and names a rank folded in part.
-    CPU mode's all-reduce-based reduce-scatter gives the same sums as gloo's reduce-scatter."""
+    CPU mode's all-reduce-based reduce-scatter gives the same sums as gloo's reduce-scatter.
+    Twins initialize their model parts in one order (part order), whatever order each holds."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
@@ -965,6 +1003,7 @@ def test_twins_fold_into_torchtitan_style_fsdp_and_ep_meshes(tmp_path: Path) -> 
         # bias: 2 of 8); experts: this EP shard's scale summed over the rank and its twin
         experts = 64 * (1 + 3 if rank % 2 == 0 else 2 + 4)
         assert got["grad_sums"] == [16 * 2 * 10, 2 * 2 * 4, experts], (rank, got["grad_sums"])
+        assert got["init_order"] == [0, 1] and got["init_sums"] == results[0]["init_sums"], got
 
 
 def test_untested_torchtitan_is_refused_by_name() -> None:
