@@ -319,7 +319,7 @@ def test_bad_config_stops_every_rank_before_any_collective(runs_dir: Path) -> No
 
 
 def _seed_checkpoint(runs_dir: Path, name: str) -> list[str]:
-    """0.2.2: torchtitan's seed checkpoint of ``name`` (one process, no parallelism), and the
+    """torchtitan's seed checkpoint of ``name`` (one process, no parallelism), and the
     overrides that start a run from it: the same initial weights under any layout."""
     seed = runs_dir / f"{name}_seed"
     _ok(train(name, seed, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
@@ -342,29 +342,30 @@ def _assert_expert_biases_identical(run: Run, rank0: int, rank1: int) -> None:
 def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     """deepseek_v3 MoE debug model, pp=2 x EP 2 on CPU. Twins (global ranks 0/2 and 1/3 hold
     the same parts, same expert shard) keep the same expert biases: each copy counts the twin's
-    routed tokens too before the bias update. On 0.2.2 the twins are folded into FSDP (each part
-    sharded over all 4 ranks); a run that sums them by an exchange instead
-    (``TITAN_DUALPIPE_FOLD_TWINS=0``), from the same seed checkpoint, ends with identical
-    twins and logs the same losses and grad norms (within float summation order; a twin counted
-    twice or not at all would be sqrt(2) or 2x off).
+    routed tokens too before the bias update. The twins are folded into FSDP (each part sharded
+    over all 4 ranks; on 0.3.0 under ``spmd_backend = "partial_dtensor"``); a run that sums
+    them by an exchange instead (0.2.2: ``TITAN_DUALPIPE_FOLD_TWINS=0``; 0.3.0: its default
+    ``spmd_types`` backend), from the same seed checkpoint, ends with identical twins and logs
+    the same losses and grad norms (within float summation order; a twin counted twice or not
+    at all would be sqrt(2) or 2x off).
 
     The pairs' halves switch at torchtitan's expert-parallel all-to-all; a run with the
     pairs sequential ends with bitwise the same weights and logs the same losses. (These use
     deterministic algorithms: without them this MoE model is not bitwise reproducible on
     CPU even between two identical sequential runs.)"""
     steps = 5
-    folds = not REGISTRY  # 0.3.0 builds FSDP meshes its own way: twins summed by the exchange
-    common = ["--debug.deterministic", *(_seed_checkpoint(runs_dir, "debug_moe_dualpipe") if folds else [])]
-    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe", *common, probe=True, nproc=4, steps=steps))
+    common = ["--debug.deterministic", *_seed_checkpoint(runs_dir, "debug_moe_dualpipe")]
+    folding = [*common, "--parallelism.spmd_backend", "partial_dtensor"] if REGISTRY else common
+    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe", *folding, probe=True, nproc=4, steps=steps))
     _assert_trains(run.losses(), steps)
     logged = run.logged()
     assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
-    assert all(run.probe(rank)["folded"] is folds for rank in range(4))
+    assert all(run.probe(rank)["folded"] is True for rank in range(4)) and "twins folded into FSDP" in run.output
     assert any("moe.expert_bias" in name for name in run.probe(0)["stages"]["0"])
     for rank0, rank1 in ((0, 2), (1, 3)):
-        (_assert_expert_biases_identical if folds else _assert_twins_identical)(run, rank0, rank1)
+        _assert_expert_biases_identical(run, rank0, rank1)
 
-    sequential = _ok(train("debug_moe_dualpipe", runs_dir / "moe_sequential", *common, *NO_OVERLAP, probe=True,
+    sequential = _ok(train("debug_moe_dualpipe", runs_dir / "moe_sequential", *folding, *NO_OVERLAP, probe=True,
                            nproc=4, steps=steps))
     assert sequential.logged() == logged
     for rank in range(4):
@@ -372,14 +373,14 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
         assert relayed["relayed"]["hand_overs"] > 0 and plain["relayed"]["pairs"] == 0, (relayed, plain)
         assert relayed["stages"] == plain["stages"]
 
-    if folds:
-        exchange = _ok(train("debug_moe_dualpipe", runs_dir / "moe_exchange", *common, probe=True, nproc=4,
-                             steps=steps, env={"TITAN_DUALPIPE_FOLD_TWINS": "0"}))
-        assert all(exchange.probe(rank)["folded"] is False for rank in range(4))
-        _assert_twins_identical(exchange, 0, 2)
-        _assert_twins_identical(exchange, 1, 3)
-        _assert_close(run.losses(), exchange.losses(), rel=1e-3)
-        _assert_close(run.grad_norms(), exchange.grad_norms(), rel=1e-3)
+    exchange = _ok(train("debug_moe_dualpipe", runs_dir / "moe_exchange", *common, probe=True, nproc=4,
+                         steps=steps, env=None if REGISTRY else {"TITAN_DUALPIPE_FOLD_TWINS": "0"}))
+    assert all(exchange.probe(rank)["folded"] is False for rank in range(4))
+    assert "twins summed by an exchange" + (" (spmd_backend=spmd_types;" if REGISTRY else "") in exchange.output
+    _assert_twins_identical(exchange, 0, 2)
+    _assert_twins_identical(exchange, 1, 3)
+    _assert_close(run.losses(), exchange.losses(), rel=1e-3)
+    _assert_close(run.grad_norms(), exchange.grad_norms(), rel=1e-3)
 
 
 @pytest.mark.titan_e2e

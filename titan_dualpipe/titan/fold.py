@@ -1,4 +1,4 @@
-"""DualPipe twins folded into torchtitan's FSDP (torchtitan 0.2.2).
+"""DualPipe twins folded into torchtitan's FSDP.
 
 Under DualPipe pipeline ranks ``r`` and ``pp-1-r`` hold the same two model parts. When
 torchtitan shards the parts with FSDP, each part can be sharded over twins x replicas instead
@@ -10,7 +10,7 @@ take half the memory. The schedule notices and moves FSDP's collectives to the s
 
 torchtitan builds its meshes from a world mesh laid out pipeline-rank-major (``pp``,
 ``dp_replicate``, ``fsdp``, ``tp``; experts: ``pp``, ``dp_replicate``, ``efsdp``, ``ep``,
-``etp``), where twin pipeline ranks are not neighbours. Here a second root mesh lists the
+and on 0.2.2 ``etp``), where twin pipeline ranks are not neighbours. Here a second root mesh lists the
 world with each twin pair's ranks side by side (pipeline ranks in the order ``0, pp-1, 1,
 pp-2, ...``), and the same unflattening gives ``fsdp`` and ``efsdp`` dimensions twice as
 large that span both twins. While torchtitan parallelizes DualPipe's model parts, its mesh
@@ -20,8 +20,10 @@ torchtitan's except ``fsdp``/``efsdp``, and one root, which FSDP needs to combin
 Every other lookup, and every lookup outside that window, is torchtitan's.
 
 Folding applies when torchtitan applies FSDP (``fsdp`` or ``ep`` degree above 1);
-``TITAN_DUALPIPE_FOLD_TWINS=0`` keeps the twin exchange instead. torchtitan 0.3.0 builds its
-FSDP meshes another way (``spmd_backend``); there the twins are summed by the exchange.
+``TITAN_DUALPIPE_FOLD_TWINS=0`` keeps the twin exchange instead. torchtitan 0.3.0 looks its FSDP
+meshes up this way under ``spmd_backend = "partial_dtensor"``; its default ``spmd_types`` backend
+requires each parameter's type-checking mesh to span the ranks of its FSDP mesh, which a twin
+pair's would not, so there the twins are summed by the exchange.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Callable
 from ..bench.titan import FOLD_ENV  # "0": sum DualPipe's twins by an exchange even under FSDP
 
 FOLDED_DIMS = frozenset({"fsdp", "efsdp", "dp_replicate", "ep", "etp", "tp"})
+FOLDING_BACKEND = "partial_dtensor"  # torchtitan 0.3.0's spmd_backend that looks FSDP meshes up as above
 
 
 def fold_enabled() -> bool:
@@ -57,7 +60,7 @@ class FoldedMeshes:
     """Meshes over one root where ``fsdp`` and ``efsdp`` span twin pipeline ranks."""
 
     dense: Any  # ("pair", "dp_replicate", "fsdp", "tp")
-    sparse: Any  # ("pair", "dp_replicate", "efsdp", "ep", "etp"); None without expert parallelism
+    sparse: Any  # ("pair", "dp_replicate", "efsdp", "ep"[, "etp" on 0.2.2]); None without expert parallelism
 
     def lookup(self, dims: list[str]) -> Any:
         for mesh in (self.dense, self.sparse):
@@ -83,9 +86,12 @@ def build_folded_meshes(dims: Any, device_type: str) -> FoldedMeshes:
                       set())
     sparse = None
     if dims.ep > 1:
-        efsdp = fsdp * dims.tp // (dims.etp * dims.ep)
-        sparse = unflatten(("pair", "dp_replicate", "efsdp", "ep", "etp"),
-                           (dims.pp // 2, dims.dp_replicate, 2 * efsdp, dims.ep, dims.etp), {"efsdp"})
+        etp = getattr(dims, "etp", None)  # 0.3.0 has no expert tensor parallelism
+        efsdp = fsdp * dims.tp // ((etp or 1) * dims.ep)
+        names, sizes = ("pair", "dp_replicate", "efsdp", "ep"), (dims.pp // 2, dims.dp_replicate, 2 * efsdp, dims.ep)
+        if etp is not None:
+            names, sizes = (*names, "etp"), (*sizes, etp)
+        sparse = unflatten(names, sizes, {"efsdp"})
     return FoldedMeshes(dense, sparse)
 
 
@@ -103,8 +109,10 @@ WINDOW = FoldWindow()
 
 
 def applies(dims: Any) -> bool:
-    """Folding can apply: torchtitan will apply FSDP and the layout has twins."""
-    return fold_enabled() and dims.pp >= 2 and dims.pp % 2 == 0 and (dims.fsdp_enabled or dims.ep_enabled)
+    """Folding can apply: torchtitan will apply FSDP, looking its meshes up by name, and the
+    layout has twins."""
+    return (fold_enabled() and getattr(dims, "spmd_backend", FOLDING_BACKEND) == FOLDING_BACKEND
+            and dims.pp >= 2 and dims.pp % 2 == 0 and (dims.fsdp_enabled or dims.ep_enabled))
 
 
 def make_get_optional_mesh(original: Callable[..., Any]) -> Callable[..., Any]:

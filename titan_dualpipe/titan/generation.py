@@ -31,8 +31,6 @@ class Generation:
     fsdp_division_modules: tuple[str, ...]
     expert_count_buffer: str  # MoE per-expert token count buffer
     asset_paths: tuple[str, ...]  # dotted config fields that may point at shipped assets
-    # DualPipe's twins can be folded into FSDP through ParallelDims' mesh lookups (:mod:`.fold`)
-    folds_twins: bool
 
     def key(self, dotted: str) -> str:
         """How errors name config field ``section.field``: TOML form on 0.2.2, CLI form on 0.3.0."""
@@ -83,7 +81,6 @@ GENERATIONS = {
         expert_count_buffer="tokens_per_expert",
         asset_paths=("model.hf_assets_path", "model.tokenizer_path", "training.dataset_path",
                      "validation.dataset_path", _CSV_PATH),
-        folds_twins=True,
     ),
     "0.3.0": Generation(
         release="0.3.0",
@@ -98,7 +95,6 @@ GENERATIONS = {
         fsdp_division_modules=("torchtitan.distributed.fsdp",),
         expert_count_buffer="tokens_per_expert_E",
         asset_paths=("hf_assets_path", "dataloader.dataset_path", "validator.dataloader.dataset_path", _CSV_PATH),
-        folds_twins=False,  # its FSDP meshes come from spmd_backend's own construction
     ),
 }
 

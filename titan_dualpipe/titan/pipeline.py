@@ -97,10 +97,18 @@ def make_module_split(original: Callable[..., tuple[list, list]]) -> Callable[..
         stages, models = original(whole_model, pp_mesh, V_STYLE_NAME, device, per_stage, **kwargs)
         ACTIVE.stages = stages
         # torchtitan parallelizes the parts next, then builds the schedule (which closes it)
-        fold.WINDOW.open = ours == "DualPipe" and GEN.folds_twins
+        fold.WINDOW.open = ours == "DualPipe"
         return stages, models
 
     return pipeline_module_split
+
+
+def _exchange_note(par: Any) -> str:
+    backend = getattr(par, "spmd_backend", fold.FOLDING_BACKEND)
+    if backend == fold.FOLDING_BACKEND:
+        return ", twins summed by an exchange"
+    return (f", twins summed by an exchange (spmd_backend={backend}; with {fold.FOLDING_BACKEND} they are folded "
+            "into FSDP)")
 
 
 def stage_module_names(schedule: str, pp: int, parts: list[list[str]]) -> list[list[str]]:
@@ -136,6 +144,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
         + (", twins folded into FSDP" if ACTIVE.folded else "")
+        + (_exchange_note(par) if name == "DualPipe" and not ACTIVE.folded else "")
     )
     return schedule
 
@@ -210,8 +219,7 @@ def install() -> None:
     """Replace the four names in torchtitan's pipeline module and the DualPipeV flag (idempotent)."""
     from torchtitan.distributed import pipeline_parallel as pp_mod
 
-    if GEN.folds_twins:
-        fold.install()
+    fold.install()
     if not GEN.registry:
         from torchtitan.distributed import dual_pipe_v
 
