@@ -9,9 +9,9 @@ take half the memory. The schedule notices and moves FSDP's collectives to the s
 (``ScheduleDualPipe.fsdp_at_step_edges``).
 
 torchtitan builds its meshes from a world mesh laid out pipeline-rank-major (``pp``,
-``dp_replicate``, ``fsdp``, ``tp``; experts: ``pp``, ``dp_replicate``, ``efsdp``, ``ep``,
-and on 0.2.2 ``etp``), where twin pipeline ranks are not neighbours. Here a second root mesh lists the
-world with each twin pair's ranks side by side (pipeline ranks in the order ``0, pp-1, 1,
+``dp_replicate``, ``fsdp``, ``tp``; experts: ``pp``, ``dp_replicate``, ``efsdp``, ``ep``, and
+on 0.2.2 ``etp``), where twin pipeline ranks are not neighbours. Here a second root mesh lists
+the world with each twin pair's ranks side by side (pipeline ranks in the order ``0, pp-1, 1,
 pp-2, ...``), and the same unflattening gives ``fsdp`` and ``efsdp`` dimensions twice as
 large that span both twins. While torchtitan parallelizes DualPipe's model parts, its mesh
 lookups for the dimensions FSDP and expert/tensor parallelism combine (``fsdp``, ``efsdp``,
