@@ -54,21 +54,19 @@ def make_clip_grad_norm(original: Callable[..., torch.Tensor]) -> Callable[..., 
         pp_mesh: Any = None,
         ep_enabled: bool = False,
     ) -> torch.Tensor:
-        if ACTIVE.folded:
-            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if ACTIVE.folded:  # every shard counted once per twin rank: take the double count out
             doubled = original(params, math.inf, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
             total_norm = doubled if math.isinf(norm_type) else doubled / 2 ** (1.0 / norm_type)
-            for group in _by_mesh([p for p in params if p.grad is not None]):
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach)
-            return total_norm
-        twins = direction1_parameters()
-        if not twins:
-            return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        once = [p for p in params if id(p) not in twins]
-        copies = [p for p in params if id(p) in twins and p.grad is not None]
-        total_norm = original(once, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
-        for group in _by_mesh(copies):
+            to_clip = [p for p in params if p.grad is not None]
+        else:  # the direction-0 copies' norm (torchtitan clips them), then the copies clipped by it
+            twins = direction1_parameters()
+            if not twins:
+                return original(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+            once = [p for p in params if id(p) not in twins]
+            total_norm = original(once, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+            to_clip = [p for p in params if id(p) in twins and p.grad is not None]
+        for group in _by_mesh(to_clip):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach)
         return total_norm
 

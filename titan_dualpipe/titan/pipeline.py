@@ -103,7 +103,12 @@ def make_module_split(original: Callable[..., tuple[list, list]]) -> Callable[..
     return pipeline_module_split
 
 
-def _exchange_note(par: Any) -> str:
+def _twins_note(name: str, par: Any) -> str:
+    """How DualPipe's twins are summed, for the schedule's log line ("" for other schedules)."""
+    if name != "DualPipe":
+        return ""
+    if ACTIVE.folded:
+        return ", twins folded into FSDP"
     backend = getattr(par, "spmd_backend", fold.FOLDING_BACKEND)
     if backend == fold.FOLDING_BACKEND:
         return ", twins summed by an exchange"
@@ -143,8 +148,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
-        + (", twins folded into FSDP" if ACTIVE.folded else "")
-        + (_exchange_note(par) if name == "DualPipe" and not ACTIVE.folded else "")
+        + _twins_note(name, par)
     )
     return schedule
 
