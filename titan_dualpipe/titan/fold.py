@@ -108,10 +108,18 @@ class FoldWindow:
 WINDOW = FoldWindow()
 
 
+def exchange_backend(config: Any) -> str | None:
+    """torchtitan 0.3.0's ``spmd_backend`` of ``config`` (its parallelism config or ParallelDims)
+    when that backend builds FSDP meshes folding cannot reach, so twins are summed by the
+    exchange; None when FSDP meshes are looked up by name (always on 0.2.2)."""
+    backend = getattr(config, "spmd_backend", FOLDING_BACKEND)
+    return None if backend == FOLDING_BACKEND else backend
+
+
 def applies(dims: Any) -> bool:
     """Folding can apply: torchtitan will apply FSDP, looking its meshes up by name, and the
     layout has twins."""
-    return (fold_enabled() and getattr(dims, "spmd_backend", FOLDING_BACKEND) == FOLDING_BACKEND
+    return (fold_enabled() and exchange_backend(dims) is None
             and dims.pp >= 2 and dims.pp % 2 == 0 and (dims.fsdp_enabled or dims.ep_enabled))
 
 

@@ -109,8 +109,8 @@ def _twins_note(name: str, par: Any) -> str:
         return ""
     if ACTIVE.folded:
         return ", twins folded into FSDP"
-    backend = getattr(par, "spmd_backend", fold.FOLDING_BACKEND)
-    if backend == fold.FOLDING_BACKEND:
+    backend = fold.exchange_backend(par)
+    if backend is None:
         return ", twins summed by an exchange"
     return (f", twins summed by an exchange (spmd_backend={backend}; with {fold.FOLDING_BACKEND} they are folded "
             "into FSDP)")
