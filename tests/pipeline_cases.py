@@ -420,3 +420,48 @@ def folded_twins(pp: int, n: int, steps: int = 2) -> dict:
                                    dp_index=dp_index, dp_size=dp, steps=steps, factory=factory,
                                    perturb_twins=False)  # folded twins are one parameter: nothing to make equal
     return {**result, "folded": seen == [True], "rank": rank, "events": recorder.events}
+
+
+def _checkpoint_layers(module, style: str) -> None:
+    """Wrap the blocks' forwards in torch's non-reentrant checkpoint, as user code does it.
+
+    ``selective``: every block under selective AC (saving matmuls and attention);
+    ``mixed``: blocks in turn selective AC, full AC, no AC (torchtitan's every-k-th layer mode).
+    """
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    selective = functools.partial(create_selective_checkpoint_contexts, policy)
+    for name, layer in module.layers.items():
+        kind = "selective" if style == "selective" else ("selective", "full", "none")[int(name) % 3]
+        if kind != "none":
+            context = {"context_fn": selective} if kind == "selective" else {}
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **context)
+
+
+def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) -> dict | None:
+    """User stages whose blocks run under torch's checkpoint (``style``, see :func:`_checkpoint_layers`):
+    losses and every gradient against the reference without AC, two steps with Adam between;
+    also which (stage, microbatch) backwards ran whole at I in the last step."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    built = []
+
+    def factory(stages, n, **schedule_kwargs):
+        for stage in stages:
+            _checkpoint_layers(stage.submod, style)
+        built.append(SCHEDULES[schedule](stages, n, **schedule_kwargs))
+        return built[-1]
+
+    result = train_and_compare(schedule, pp, n, group, rank, factory=factory, **kwargs)
+    layers = {s.stage_index: sorted(s.submod.layers) for s in built[0]._stages}
+    return {**result, "whole_at_input": sorted(built[0].whole_backwards), "layers": layers}

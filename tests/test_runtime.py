@@ -166,3 +166,21 @@ def test_twins_folded_into_fsdp(pool, pp, n):
     assert all(r["folded"] for r in ran) and len(ran) == WORLD
     assert max(r["grad_err"] for r in ran) <= cases.ATOL and all(r["twin_parts"] == pp for r in ran)
     check_completes({r["rank"]: r["events"] for r in ran})
+
+
+@pytest.mark.parametrize("schedule,pp,n,style", [
+    ("DualPipeV", 2, 5, "selective"), ("DualPipeV", 4, 8, "mixed"),
+    ("DualPipe", 2, 4, "selective"), ("DualPipe", 4, 8, "mixed"),
+])
+def test_activation_checkpointed_blocks(pool, schedule, pp, n, style):
+    """Blocks under torch's checkpoint(use_reentrant=False), selective (create_selective_checkpoint_contexts)
+    and full, as user code writes it: losses and every gradient equal the reference without AC; the
+    backwards of exactly the microbatches of stages holding a checkpointed block run whole at I."""
+    ran = _ran(pool.run(cases.checkpointed_numerics, schedule=schedule, pp=pp, n=n, style=style))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+    for r in ran:
+        checkpointed = {s for s, names in r["layers"].items()
+                        if any(style == "selective" or int(name) % 3 != 2 for name in names)}
+        assert {s for s, _ in r["whole_at_input"]} == checkpointed, r
+        assert len(r["whole_at_input"]) == len(checkpointed) * (n // 2 if schedule == "DualPipe" else n), r

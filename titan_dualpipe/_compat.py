@@ -25,7 +25,9 @@ What differs across the range, and what we do about it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import threading
 import types
 from typing import Any, Callable, Iterator
 
@@ -52,6 +54,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.utils import checkpoint as _checkpoint_module
 
 SUPPORTED_TORCH = (">=2.11", "<2.15")
 _SUPPORTED_MINORS = ((2, 11), (2, 14))  # inclusive bounds of SUPPORTED_TORCH
@@ -114,6 +117,16 @@ UNSHARD = _ComputationType.UNSHARD
 RESHARD = _ComputationType.RESHARD
 REDUCE_GRAD = _ComputationType.REDUCE_GRAD
 
+# Static stage metadata (PipelineStage(..., input_args=, output_args=), no shape inference) takes
+# the received activations' requires_grad from the example inputs (False for inputs made without
+# it), and its gradient metadata from the example outputs': no input gradient is computed, no
+# receive buffer for output gradients made, and the backward fails ("Output gradient: ('None',)";
+# torch's own ScheduleDualPipeV too). Shape inference and the tracer mark floating-point
+# activations passed between stages as requiring grad; initialize_stages does the
+# same for static metadata (mark_static_inputs_differentiable). tests/test_torch_versions.py
+# checks torch's own V schedule against this flag.
+STATIC_METADATA_DROPS_INPUT_GRADS: bool = True
+
 _TORCH_SCHEDULE_KEYWORDS = frozenset(inspect.signature(PipelineScheduleMulti.__init__).parameters)
 
 
@@ -129,12 +142,33 @@ _INIT_STAGES_KEYWORDS = frozenset(inspect.signature(PipelineScheduleMulti._initi
 def initialize_stages(schedule: PipelineScheduleMulti, args: tuple, kwargs: dict, target: Any,
                       loss_kwargs: dict | None) -> None:
     """torch's stage initialisation (metadata, receive buffers) before the first action."""
+    mark_static_inputs_differentiable(schedule._stages)
     if "loss_kwargs" in _INIT_STAGES_KEYWORDS:  # 2.13+
         schedule._initialize_stages(args, kwargs, target, loss_kwargs)
     elif "target" in _INIT_STAGES_KEYWORDS:  # 2.12
         schedule._initialize_stages(args, kwargs, target)
     else:  # 2.11
         _initialize_stages_by_shape_exchange(schedule, args, kwargs)
+
+
+def mark_static_inputs_differentiable(stages: list[_PipelineStageBase]) -> None:
+    """Received floating-point inputs of stages with static metadata require grad, as shape
+    inference would have them (see :data:`STATIC_METADATA_DROPS_INPUT_GRADS`)."""
+    if not STATIC_METADATA_DROPS_INPUT_GRADS:
+        return
+    for stage in stages:
+        meta = getattr(stage, "_user_meta", None)  # 2.12+: what the user passed as input_args/output_args
+        if meta is None:
+            continue
+        if meta.inputs and not stage.is_first:  # received activations
+            meta.inputs = _differentiable(meta.inputs)
+        if meta.outputs and not stage.is_last:  # sent activations: their grads come back
+            meta.outputs = _differentiable(meta.outputs)
+
+
+def _differentiable(metas: tuple) -> tuple:
+    return tuple(m if m is None or m.requires_grad or not m.dtype.is_floating_point
+                 else dataclasses.replace(m, requires_grad=True) for m in metas)
 
 
 def _initialize_stages_by_shape_exchange(schedule: PipelineScheduleMulti, args: tuple, kwargs: dict) -> None:
@@ -226,6 +260,26 @@ def _chain_last(stage: Any) -> bool:
     return stage._chain_last
 
 
+def _skip_at(end: str, method: Callable[..., Any], doing: str) -> Callable[..., Any]:
+    """``method``, ignored on a stage at chain end ``end`` (``"_chain_first"``/``"_chain_last"``)."""
+
+    def hand_off(self: Any, value: Any, mb_index: int) -> None:
+        if not getattr(self, end):
+            method(self, value, mb_index)
+
+    hand_off.__doc__ = f"torch's {method.__name__}; on a DualPipe chain end, {doing}."
+    return hand_off
+
+
+def _input_grads_of_chain_first(base: type) -> Callable[[Any, int], Any]:
+    def get_local_bwd_output(self: Any, mb_index: int) -> Any:
+        if self._chain_first:  # the grads of the batch's inputs: nobody on this chain receives them
+            return self.bwd_cache.pop(mb_index, ())
+        return base.get_local_bwd_output(self, mb_index)
+
+    return get_local_bwd_output
+
+
 _CHAIN_END_CLASSES: dict[type, type] = {}
 
 
@@ -235,13 +289,23 @@ def set_chain_ends(stage: _PipelineStageBase, *, first: bool, last: bool) -> Non
     torch assumes one chain ``0..num_stages-1``. DualPipe has two (one per direction), so
     the last stage of direction 0 and the first stage of direction 1 sit in the middle of
     the index range. Every torch stage method keys input and loss handling on these two
-    properties, so the stage's class is swapped for a subclass that overrides just them.
+    properties, so the stage's class is swapped for a subclass that overrides them.
+
+    Code written for torch's single chain hands data between same-rank stages ``s`` and ``s+1``;
+    on DualPipe's rank pp-1 those are the two chain ends (stages pp-1 and pp), which exchange
+    nothing: the subclass ignores those hand-offs (``set_local_fwd_input`` on a chain's first
+    stage, ``set_local_bwd_input`` on a last one) and gives a first stage's input grads back.
     """
     base = type(stage)
     if base not in _CHAIN_END_CLASSES.values():
         cls = _CHAIN_END_CLASSES.get(base)
         if cls is None:
-            attrs = {"__slots__": (), "is_first": property(_chain_first), "is_last": property(_chain_last)}
+            attrs = {"__slots__": (), "is_first": property(_chain_first), "is_last": property(_chain_last),
+                     "set_local_fwd_input": _skip_at("_chain_first", base.set_local_fwd_input,
+                                                     "ignored on a first stage (it reads the batch)"),
+                     "set_local_bwd_input": _skip_at("_chain_last", base.set_local_bwd_input,
+                                                     "ignored on a last stage (it starts from the loss)"),
+                     "get_local_bwd_output": _input_grads_of_chain_first(base)}
             cls = _CHAIN_END_CLASSES[base] = type(f"ChainEnd{base.__name__}", (base,), attrs)
         stage.__class__ = cls
     stage._chain_first = first  # type: ignore[attr-defined]
@@ -279,6 +343,67 @@ def module_forward_replaced(module: torch.nn.Module, fn: Callable[..., Any]) -> 
             module.forward = previous
 
 
+_SAC_FORWARD_MODE = _checkpoint_module._CachingTorchDispatchMode  # SAC's forward-side dispatch mode
+_CHECKPOINT_HOOKS = _checkpoint_module._checkpoint_hook  # every non-reentrant checkpoint region's hooks
+_OBSERVED = ((_SAC_FORWARD_MODE, "selective"), (_CHECKPOINT_HOOKS, "checkpoint"))
+_regions_seen = threading.local()
+_observers_lock = threading.Lock()
+_observers: list[int] = [0]  # open checkpoint_regions_seen blocks, all threads
+
+
+def _recording_enter(kind: str, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def enter(self: Any) -> Any:
+        seen = getattr(_regions_seen, "kinds", None)
+        if seen is not None:
+            seen.add(kind)
+        return original(self)
+
+    enter.titan_dualpipe_original = original  # type: ignore[attr-defined]
+    return enter
+
+
+def _install_observers(install: bool) -> None:
+    for cls, kind in _OBSERVED:
+        if install:
+            own = cls.__dict__.get("__enter__")
+            cls.__enter__ = _recording_enter(kind, cls.__enter__)
+            cls.titan_dualpipe_own_enter = own
+        else:
+            own = cls.__dict__["titan_dualpipe_own_enter"]
+            del cls.titan_dualpipe_own_enter
+            if own is None:
+                del cls.__enter__
+            else:
+                cls.__enter__ = own
+
+
+@contextlib.contextmanager
+def checkpoint_regions_seen() -> Iterator[set[str]]:
+    """Within the block, collect which kinds of non-reentrant activation-checkpoint regions run
+    on this thread: ``"checkpoint"`` for any (``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False)``, torch's ``checkpoint_wrapper``), ``"selective"`` for selective ones
+    (``context_fn=create_selective_checkpoint_contexts(...)``), whose saved values serve one
+    backward only. Seen when a region enters its saved-tensor hooks and SAC dispatch mode; torch's
+    classes get their own ``__enter__`` back when the last open block ends."""
+    with _observers_lock:
+        if _observers[0] == 0:
+            _install_observers(True)
+        _observers[0] += 1
+    outer = getattr(_regions_seen, "kinds", None)
+    kinds: set[str] = set()
+    _regions_seen.kinds = kinds
+    try:
+        yield kinds
+    finally:
+        _regions_seen.kinds = outer
+        if outer is not None:
+            outer |= kinds
+        with _observers_lock:
+            _observers[0] -= 1
+            if _observers[0] == 0:
+                _install_observers(False)
+
+
 def input_grads(input_values: list) -> tuple:
     """What torch's ``stage_backward`` returns after its autograd call: each input's grad
     (cleared from the input so it is not accumulated again)."""
@@ -310,6 +435,7 @@ __all__ = [
     "HAS_METADATA_VOTE",
     "PipelineStage",
     "SPLIT_BACKWARD_NEEDS_UNSHARD",
+    "STATIC_METADATA_DROPS_INPUT_GRADS",
     "SUPPORTED_TORCH",
     "TORCH_DEFER_RECV_OPS",
     "TORCH_VERSION",
@@ -328,12 +454,14 @@ __all__ = [
     "_wait_batch_p2p",
     "agreed_inference_mode",
     "check_torch_version",
+    "checkpoint_regions_seen",
     "default_store",
     "fsdp_data_parallel_sizes",
     "fsdp_gradient_divide_factors",
     "fsdp_shard_group_ranks",
     "get_schedule_class",
     "initialize_stages",
+    "mark_static_inputs_differentiable",
     "input_grads",
     "module_forward_replaced",
     "post_all_to_all_single",

@@ -10,7 +10,9 @@ What each action does (stage ``s``, microbatch ``m``):
                backward, hand the input grad to a same-rank previous stage.
 ``sI m``       as B but the weight gradient is deferred to the matching W. A chain's first
                stage has no input grad, so its I does nothing and its W runs the backward.
-``sW m``       run the deferred weight gradient of ``sI m``.
+               A microbatch whose forward ran an activation-checkpoint region runs its full
+               backward here instead (:mod:`.split_backward`).
+``sW m``       run the deferred weight gradient of ``sI m`` (nothing if ``sI m`` ran it all).
 ``OVERLAP_F_B`` the pair ``(F; B)``; run by the schedule's pair runner (overlapped or one
                after the other).
 ``SEND_*``     post an async send of ``s``'s activation / input grad; waited at step end.
@@ -59,9 +61,15 @@ from .failures import PeerFailed, peer_failed, record
 from .fsdp import fsdp_modules, unshard_all
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
+from .split_backward import SplitDecisions
 from .timeline import TimedAction
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
+_HANDLERS: dict[Any, str] = {  # action type -> StepExecutor method
+    F: "forward", B: "backward", I: "backward", W: "weight", OVERLAP_F_B: "pair",
+    SEND_F: "send_forward", SEND_B: "send_backward", RECV_F: "recv_forward", RECV_B: "recv_backward",
+    UNSHARD: "unshard", RESHARD: "reshard", REDUCE_GRAD: "reduce_grad",
+}
 logger = logging.getLogger("titan_dualpipe")
 
 
@@ -88,30 +96,20 @@ class StepExecutor:
         self.loss_kwargs = loss_kwargs
         self.return_outputs = return_outputs
         self.training = schedule._has_backward
-        self.losses: dict[int, torch.Tensor] = {}
-        self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
-        self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = {}
+        # The step's state lives on the schedule under torch's runtime names (fwd_recv_ops,
+        # bwd_recv_ops, backward_counter, the losses behind _maybe_compute_loss/_maybe_get_loss),
+        # so custom functions written for torch's runtime find it there.
+        self.losses: dict[int, torch.Tensor] = schedule._step_losses
+        self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = schedule.fwd_recv_ops
+        self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = schedule.bwd_recv_ops
         self.sends: list[tuple[_Action, list[dist.Work]]] = []
         self.upcoming: list[_Action] = []  # the rest of the order, while run() executes it
         self.done_early: set[_Action] = set()  # communication posted ahead of its place
-        self.backward_count: Counter[int] = Counter()
+        self.backward_count: Counter[int] = schedule.backward_counter
         self.backward_at_weight: set[tuple[int, int]] = set()
+        self.split = SplitDecisions(schedule.whole_backward_stages)
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
         self._t0 = time.perf_counter()
-        self._handlers: dict[Any, Callable[[_Action], None]] = {
-            F: self.forward,
-            B: self.backward,
-            I: self.backward,
-            W: self.weight,
-            OVERLAP_F_B: self.pair,
-            SEND_F: self.send_forward,
-            SEND_B: self.send_backward,
-            RECV_F: self.recv_forward,
-            RECV_B: self.recv_backward,
-            UNSHARD: self.unshard,
-            RESHARD: self.reshard,
-            REDUCE_GRAD: self.reduce_grad,
-        }
 
     # -- driver ---------------------------------------------------------------------------
     def run(self, actions: list[_Action]) -> None:
@@ -139,11 +137,20 @@ class StepExecutor:
             raise
 
     def _perform(self, action: _Action) -> None:
+        """``action`` by its custom function (``register_custom_function``, called as torch's runtime
+        does) or its handler. Forward only (eval): a pair runs its forward action alone."""
+        if not self.training and action.computation_type == OVERLAP_F_B:
+            action = action.sub_actions[0]
         custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
         if custom is not None:
             custom(action, _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None))
         else:
-            self._handlers[action.computation_type](action)
+            self._handle(action)
+
+    def _handle(self, action: _Action) -> None:
+        # Looked up by name on each call: a dict of bound methods on self would be a reference
+        # cycle, keeping every step's inputs and losses alive until the cycle collector runs.
+        getattr(self, _HANDLERS[action.computation_type])(action)
 
     def _report(self, err: BaseException, actions: list[_Action], action: _Action | None) -> None:
         where = f"at {action}" if action is not None else "waiting for its sends at the end of the step"
@@ -212,9 +219,10 @@ class StepExecutor:
         stage = self.stages[s]
         self.schedule._assert_unsharded(stage)
         self.wait_input(action)
-        output = stage.forward_one_chunk(
-            mb, self.arg_mbs[mb], self.kwarg_mbs[mb], save_forward_output=self.return_outputs
-        )
+        with self.split.observe_forward(s, mb):
+            output = stage.forward_one_chunk(
+                mb, self.arg_mbs[mb], self.kwarg_mbs[mb], save_forward_output=self.return_outputs
+            )
         if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
             self.losses[mb] = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
         dest = output_destination(action, self.place)
@@ -229,7 +237,7 @@ class StepExecutor:
         if action.computation_type == I and self.place.is_first(s):
             self.backward_at_weight.add((s, mb))
             return
-        full = action.computation_type == B
+        full = action.computation_type == B or self.split.whole_at_input(s, mb)
         if not full:
             _unshard_nested(stage)
         stage.backward_one_chunk(
@@ -237,6 +245,8 @@ class StepExecutor:
         )
         if full:
             self._backward_done(s, mb)
+            if action.computation_type == I:
+                self.split.ran_at_input(s, mb)
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
@@ -245,6 +255,8 @@ class StepExecutor:
         s, mb = action.stage_index, action.microbatch_index
         stage = self.stages[s]
         self.schedule._assert_unsharded(stage)
+        if self.split.weight_already_done(s, mb):  # its I ran the whole backward (and counted it)
+            return
         last = self.count_backward(s)
         if (s, mb) in self.backward_at_weight:
             self.backward_at_weight.remove((s, mb))
@@ -310,7 +322,7 @@ class StepExecutor:
         else:
             return
         for action in (*ahead, send):
-            self._handlers[action.computation_type](action)
+            self._handle(action)
             self.done_early.add(action)
 
     def recv_forward(self, action: _Action) -> None:

@@ -27,22 +27,24 @@ from ..orders import compute_order, placement
 from ..orders.lowering import lower, validate_order
 from .timeline import TimedAction
 from .agreement import agree
+from .errors import PipelineConfigError
 from .executor import StepExecutor
 from .failures import schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import swap
 from .pairs import PairRunner, pair_runner
+from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
 
 
 
 def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
-    """ValueError on every rank when any rank's stages or microbatch count cannot work (one
+    """PipelineConfigError on every rank when any rank's stages or microbatch count cannot work (one
     collective over the stages' group; a rank without a single stage has no group to tell)."""
     problem = stage_problem(name, stages)
     if not isinstance(stages, (list, tuple)) or not stages:
-        raise ValueError(problem)
+        raise PipelineConfigError(problem)
     if not problem:
         problem = compiled_problem(name, stages) or requirements_problem(name, stages[0].group_size, n_microbatches)
     agree(problem, stages[0].group, stages[0].device)
@@ -94,6 +96,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             **schedule_kwargs(defer_pp_recv=defer_pp_recv),
         )
         self._defer_pp_recv = defer_pp_recv
+        self._step_losses: dict[int, torch.Tensor] = {}  # this step's losses by microbatch (last stages)
+        self._step_loss_kwargs: dict | None = None
         self._failure_scope = schedule_scope(self._stages[0].group)
         self._steps_run = 0
         place = self.placement
@@ -107,6 +111,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.overlap = overlap
         self.pair_runner: PairRunner = pair_runner(overlap)
         self.fsdp_at_step_edges = self._folds_twins()
+        # stages whose backward a static rule keeps whole at I (W a no-op); forwards that run
+        # activation-checkpoint regions add their microbatches step by step (runtime/split_backward.py)
+        self.whole_backward_stages = {s.stage_index for s in self._stages if whole_backward_reason(s.submod)}
+        self.whole_backwards: set[tuple[int, int]] = set()
         self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
@@ -129,7 +137,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             validate_order(compute, self.placement)
             self.pipeline_order_with_comms = {r: [a for a in acts if a is not None] for r, acts in actions.items()}
         else:
-            raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+            raise PipelineConfigError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
 
     # -- step -------------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
@@ -171,6 +179,32 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     def _compute_loss(self, output, target, loss_kwargs=None):
         return self._loss_fn(output, target, **(loss_kwargs or {}))
 
+    # torch's runtime hooks, for custom functions (register_custom_function) written against
+    # torch's _PipelineScheduleRuntime: the same calls, keyed by microbatch and chain ends.
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None) -> None:
+        """The loss of microbatch ``mb_index`` when ``stage`` ends its chain (``step()``'s ``loss_kwargs``
+        unless given)."""
+        if self.placement.is_last(stage.stage_index) and self._loss_fn is not None and target_mbs is not None:
+            kwargs = self._step_loss_kwargs if loss_kwargs is None else loss_kwargs
+            self._step_losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], kwargs)
+
+    def _maybe_get_loss(self, stage, mb_index) -> torch.Tensor | None:
+        """The loss a chain's last stage backpropagates for ``mb_index`` (None on other stages)."""
+        if not self.placement.is_last(stage.stage_index) or self._loss_fn is None:
+            return None
+        if mb_index not in self._step_losses:
+            raise RuntimeError(f"rank {self.rank}: no loss for microbatch {mb_index} on stage {stage.stage_index}: "
+                               f"its forward has not run this step (losses so far: {sorted(self._step_losses)})")
+        return self._step_losses[mb_index]
+
+    def _reset_step_state(self, loss_kwargs: dict | None) -> None:
+        """Fresh per-step state under torch's runtime names (what its ``_step_microbatches`` keeps)."""
+        self.fwd_recv_ops.clear()
+        self.bwd_recv_ops.clear()
+        self.backward_counter.clear()
+        self._step_losses = {}
+        self._step_loss_kwargs = loss_kwargs
+
     def _agree_on_inputs(self, args: tuple, kwargs: dict, target: Any, arg_mbs: Any = None, kwarg_mbs: Any = None,
                          target_mbs: Any = None) -> None:
         """Every rank raises when any rank's step() inputs are wrong, before pipeline traffic."""
@@ -181,7 +215,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         table = agree(problem, group, device, facts=[int(holds_last), int(holds_last and passes_target), size])
         problem = cross_rank_problem(self.placement, table)
         if problem:  # the same on every rank: the table is
-            raise ValueError(problem)
+            raise PipelineConfigError(problem)
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
@@ -192,15 +226,18 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._before_first_step()
         scope = step_scope(self._failure_scope, self._steps_run)
         self._steps_run += 1
+        self._reset_step_state(loss_kwargs)
         executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs,
                                 failure_scope=scope)
         executor.run(self.pipeline_order_with_comms[self.rank])
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
         self._after_step(executor)
+        self.whole_backwards = set(executor.split.whole)  # (stage, mb) whose I ran the full backward
         if self.record_timeline:
             self.timeline = executor.timeline
         self._publish_losses(executor, losses)
+        self._reset_step_state(None)  # the step's losses and receives are not kept past it
 
     def collect_timeline(self) -> list[TimedAction]:
         """Every rank's recorded actions of the last step (``record_timeline=True``), on every rank.
@@ -277,7 +314,7 @@ class ScheduleDualPipe(_DualPipeFamily):
         self._twins_synced = False
         for stage in self._stages:
             if not isinstance(stage, PipelineStage):
-                raise ValueError(
+                raise PipelineConfigError(
                     f"DualPipe needs torch.distributed.pipelining.PipelineStage stages, got {type(stage).__name__}"
                 )
 
@@ -295,7 +332,7 @@ class ScheduleDualPipe(_DualPipeFamily):
         table = agree(problem, self._stages[0].group, self._stages[0].device, facts=[int(folded)])
         if table[:, 1].any() and not table[:, 1].all():  # half-folded pipelines would misalign FSDP's collectives
             ranks = [r for r in range(len(table)) if table[r, 1]]
-            raise ValueError(f"DualPipe: the twins of pipeline ranks {ranks} are folded into FSDP (each part sharded "
+            raise PipelineConfigError(f"DualPipe: the twins of pipeline ranks {ranks} are folded into FSDP (each part sharded "
                              "over a mesh holding its twin rank), those of the other ranks are not; shard every "
                              "part over twins x replicas, or every part over replicas only")
         if folded:

@@ -1,0 +1,85 @@
+"""Which backwards may be split into I (input gradient) and W (weight gradient).
+
+A split backward runs autograd twice through a microbatch's graph: I with ``retain_graph``,
+then W. Some regions cannot be run twice, or pay twice when they are:
+
+- selective activation checkpointing (``checkpoint(..., use_reentrant=False,
+  context_fn=create_selective_checkpoint_contexts(...))``, torchtitan's ``selective`` modes):
+  its saved values serve one backward; the second stops with "Trying to backward an extra
+  time";
+- full activation checkpointing recomputes its region in each backward, so I and W pay for
+  the recomputation twice.
+
+A microbatch of a stage whose forward ran such a region gets a full backward at its I (input
+and weight gradients in one autograd pass), and its W does nothing. Its I then costs what a
+full backward costs and its W nothing, which the simulator models as ``W = 0`` for those stages
+(``titan_dualpipe.sim``). The verdict is taken per stage and microbatch while the forward runs
+(:func:`~titan_dualpipe._compat.checkpoint_regions_seen`), so it holds for checkpoint regions
+wherever they are: torch's ``checkpoint_wrapper`` modules (torchtitan) and ``checkpoint(...)``
+calls inside a user's ``forward``. Other reasons to keep a stage whole are static and module
+based: :func:`register_whole_backward_rule` adds one (a rule returns why a stage module needs
+a full backward, or ``''``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from .._compat import checkpoint_regions_seen
+
+# Region kinds seen in a forward that make its backward run whole at I. "checkpoint" covers
+# full activation checkpointing too: one recomputation instead of two (README, "Activation
+# checkpointing", for the measurement).
+WHOLE_BACKWARD_REGIONS = frozenset({"selective", "checkpoint"})
+
+StageRule = Callable[[torch.nn.Module], str]
+_stage_rules: list[StageRule] = []
+
+
+def register_whole_backward_rule(rule: StageRule) -> None:
+    """Add a static rule: ``rule(stage_module)`` returns why the stage's backward must run whole
+    at I (and its W be a no-op), or ``''``."""
+    if rule not in _stage_rules:
+        _stage_rules.append(rule)
+
+
+def whole_backward_reason(module: torch.nn.Module) -> str:
+    """Why ``module``'s backward runs whole at I by a static rule, or ``''``."""
+    for rule in _stage_rules:
+        reason = rule(module)
+        if reason:
+            return reason
+    return ""
+
+
+class SplitDecisions:
+    """Per step: the (stage, microbatch) pairs whose I runs the full backward and whose W is a no-op."""
+
+    def __init__(self, static_whole: set[int]) -> None:
+        self.static_whole = static_whole  # stages kept whole by a static rule
+        self.whole: set[tuple[int, int]] = set()
+        self.done_at_input: set[tuple[int, int]] = set()
+
+    @contextlib.contextmanager
+    def observe_forward(self, stage_index: int, mb: int) -> Iterator[None]:
+        """Run a forward of ``stage_index`` for ``mb``; note whether it ran a region whose backward must not split."""
+        with checkpoint_regions_seen() as kinds:
+            yield
+        if stage_index in self.static_whole or kinds & WHOLE_BACKWARD_REGIONS:
+            self.whole.add((stage_index, mb))
+
+    def whole_at_input(self, stage_index: int, mb: int) -> bool:
+        return (stage_index, mb) in self.whole
+
+    def ran_at_input(self, stage_index: int, mb: int) -> None:
+        self.done_at_input.add((stage_index, mb))
+
+    def weight_already_done(self, stage_index: int, mb: int) -> bool:
+        """True (once) when ``mb``'s W on ``stage_index`` has nothing left: its I ran the whole backward."""
+        if (stage_index, mb) in self.done_at_input:
+            self.done_at_input.remove((stage_index, mb))
+            return True
+        return False
