@@ -1,4 +1,5 @@
-"""Every rank raises the same ``ValueError`` when any rank's input is wrong, before any traffic.
+"""Every rank raises the same :class:`~.errors.PipelineConfigError` (a ``ValueError``) when any
+rank's input is wrong, before any traffic.
 
 A check that raises on one rank only leaves the others blocked in their next collective. So
 each rank first states its problem (or none) in one small fixed-size collective that every
@@ -12,10 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .errors import PipelineConfigError
+
 
 def agree(problem: str, group: dist.ProcessGroup | None, device: torch.device,
           facts: list[int] | None = None) -> torch.Tensor:
-    """Raise ValueError on every rank if any rank's ``problem`` is non-empty.
+    """Raise PipelineConfigError on every rank if any rank's ``problem`` is non-empty.
 
     ``facts``: small integers every rank should see from every other (e.g. batch sizes); the
     result is a ``[group size, 1 + len(facts)]`` tensor (column 0: whether that rank has a
@@ -34,4 +37,4 @@ def raise_all(problem: str, group: dist.ProcessGroup | None) -> None:
     """Every rank of ``group`` calls this when some rank has a problem: all raise the same text."""
     problems: list[str] = [""] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
-    raise ValueError("; ".join(dict.fromkeys(p for p in problems if p)))
+    raise PipelineConfigError("; ".join(dict.fromkeys(p for p in problems if p)))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._compat import fsdp_data_parallel_sizes, fsdp_gradient_divide_factors, fsdp_shard_group_ranks
+from .errors import PipelineConfigError
 from .fsdp import fsdp_modules
 from .p2p import swap_into
 
@@ -156,7 +157,7 @@ def _check_same_part(
     (theirs,) = _exchange([ours], [ours], peer, group)
     expected = torch.cat([_fingerprint(dest, device), _fingerprint(mine, device)])
     if not torch.equal(theirs, expected):
-        raise ValueError(
+        raise PipelineConfigError(
             f"DualPipe twin mismatch with rank {peer}: (params, elements) of its two stages are "
             f"{theirs.tolist()}, ours {ours.tolist()} (each rank lists its direction-0 stage first; "
             "twins must match crosswise). Rank r must build its stages from model parts r and "
