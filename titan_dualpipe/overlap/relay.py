@@ -98,8 +98,18 @@ class Relay:
     def first_error(self) -> BaseException | None:
         return self._errors[0] if self._errors else None
 
+    def close(self) -> None:
+        """Drop the backward half's starter once the pair is over: it refers back to this relay,
+        a reference cycle that would keep the pair's step (its microbatches, its losses) alive
+        until the cycle collector runs."""
+        self._start_backward = _pair_over
+
 
 _active: Relay | None = None  # the pair running in this process (pairs never nest)
+
+
+def _pair_over() -> None:
+    raise RuntimeError("this relayed pair has ended: its backward half cannot start")
 
 
 def hand_over() -> None:
@@ -142,6 +152,7 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
             backward_ended.wait()
     finally:
         _active = None
+        relay.close()
     failure = relay.first_error()
     if failure is not None:
         raise failure
