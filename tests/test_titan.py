@@ -361,6 +361,7 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     logged = run.logged()
     assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
     assert all(run.probe(rank)["folded"] is True for rank in range(4)) and "twins folded into FSDP" in run.output
+    assert "CPU mode: FSDP computes in float32" in run.output
     assert any("moe.expert_bias" in name for name in run.probe(0)["stages"]["0"])
     for rank0, rank1 in ((0, 2), (1, 3)):
         _assert_expert_biases_identical(run, rank0, rank1)
@@ -454,6 +455,77 @@ def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
     for label, parts in phases.items():  # the phases of a step add up to about the step
         step = sum(parts[p] for p in ("schedule", "clip", "optimizer", "other"))
         assert step == pytest.approx(result["schedules"][label]["step_time"], rel=0.5), (label, parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing: every mode under both schedules, and the GPU configs at a debug size
+
+AC_STEPS = 3  # steps 1-3 use the warm-up learning rates only: comparable with the 6-step runs
+AC_TOLERANCE = 1e-4  # relative, losses and grad norms: recomputation and unsplit backwards sum in another order
+AC_MODES = {  # torchtitan 0.2.2 overrides, and the log line that says torchtitan applied them
+    "full": (("--activation_checkpoint.mode", "full"), "Applied full activation checkpointing"),
+    "selective_op": (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
+                     "Applied selective activation checkpointing"),
+    "selective_layer": (("--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.selective_ac_option", "2"),
+                        "Applied selective activation checkpointing"),
+}
+# The modes the GPU configs' debug-size runs below do not already cover against the runs without AC
+# (llama3_8b_dualpipev: DualPipeV with selective per-op AC).
+AC_RUNS = [("DualPipeV", "full"), ("DualPipeV", "selective_layer"),
+           ("DualPipe", "full"), ("DualPipe", "selective_op"), ("DualPipe", "selective_layer")]
+DEBUG_SIZE = (  # a GPU config at debug_dualpipev's size, data and optimizer: its AC and schedule kept
+    "--model.flavor", "debugmodel", "--model.hf_assets_path", "titan_dualpipe/titan/assets/tokenizer",
+    "--training.dataset", "titan_dualpipe_tiny", "--training.seq_len", "128", "--training.local_batch_size", "8",
+    "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+    "--optimizer.lr", "8e-4", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+    "--metrics.no-enable-tensorboard", "--debug.seed", "42",
+)
+
+
+def _assert_same_training(run: Run, reference: Run, reference_rank: int = 0) -> None:
+    steps = range(1, AC_STEPS + 1)
+    _assert_close(run.losses(), {s: reference.losses(reference_rank)[s] for s in steps}, rel=AC_TOLERANCE)
+    _assert_close(run.grad_norms(), {s: reference.grad_norms(reference_rank)[s] for s in steps}, rel=AC_TOLERANCE)
+
+
+@pytest.mark.titan_e2e
+@pytest.mark.skipif(REGISTRY, reason="torchtitan 0.3.0 spells AC modes as config classes; see the README")
+@pytest.mark.parametrize("schedule,mode", AC_RUNS, ids=[f"{s}-{m}" for s, m in AC_RUNS])
+def test_activation_checkpointing_trains_with_the_losses_of_no_ac(runs_dir: Path, request: pytest.FixtureRequest,
+                                                                   schedule: str, mode: str) -> None:
+    """Full, selective per-op and selective per-layer AC: the same losses and grad norms as the run
+    without AC (selective AC's saved values serve one backward: its microbatches' backwards run whole)."""
+    overrides, applied = AC_MODES[mode]
+    name = "debug_dualpipev" if schedule == "DualPipeV" else "debug_dualpipe"
+    reference = request.getfixturevalue("dualpipev_run" if schedule == "DualPipeV" else "dualpipe_run")
+    run = _ok(train(name, runs_dir / f"ac_{name}_{mode}", *overrides, steps=AC_STEPS))
+    assert applied in run.output
+    _assert_same_training(run, reference)
+
+
+@pytest.mark.titan_e2e
+@pytest.mark.skipif(REGISTRY, reason="the debug-size overrides are torchtitan 0.2.2's")
+def test_llama3_8b_config_trains_at_debug_size_with_its_selective_ac(runs_dir: Path, dualpipev_run: Run) -> None:
+    """The shipped Llama 3 8B config (DualPipeV, selective per-op AC), at debug_dualpipev's size:
+    the same losses as debug_dualpipev without AC."""
+    run = _ok(train("llama3_8b_dualpipev", runs_dir / "llama3_8b_debug", *DEBUG_SIZE, steps=AC_STEPS))
+    assert AC_MODES["selective_op"][1] in run.output and "DualPipeV" in run.output
+    _assert_same_training(run, dualpipev_run)
+
+
+@pytest.mark.titan_e2e
+@pytest.mark.skipif(REGISTRY, reason="the debug-size overrides are torchtitan 0.2.2's")
+def test_deepseek_v3_16b_config_trains_at_debug_size_with_its_full_ac(runs_dir: Path) -> None:
+    """The shipped DeepSeek-V3 16B config (DualPipe, full AC, MoE) on the deepseek_v3 debug model,
+    2 processes (no expert parallelism): it trains."""
+    run = _ok(train("deepseek_v3_16b_dualpipe", runs_dir / "deepseek_16b_debug", *DEBUG_SIZE,
+                    "--training.local_batch_size", "4", "--training.seq_len", "64",
+                    "--parallelism.expert_parallel_degree", "1", steps=AC_STEPS))
+    assert AC_MODES["full"][1] in run.output
+    losses = run.losses()
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) and v > 0 for v in losses.values())
+    assert losses[3] < losses[1], losses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,6 +786,68 @@ def test_cpu_integer_histc_is_exact() -> None:
         assert torch.equal(counts, torch.histc(values.double(), bins, low, high).long())
     floats = torch.rand(100)
     assert torch.equal(histc(floats, bins=4, min=0, max=1), torch.histc(floats, 4, 0, 1))
+
+
+def _built_model(job):
+    """The model ``job`` names, built and initialized as torchtitan's trainer builds it (no parallelism)."""
+    import torch
+
+    if REGISTRY:
+        model_config = job.model_spec.model
+        model_config.update_from_config(config=job)
+        model = model_config.build()
+        init = model.init_states
+    else:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        spec = get_train_spec(job.model.name)
+        args = spec.model_args[job.model.flavor]
+        args.update_from_config(job)
+        model = spec.model_cls(args)
+        init = model.init_weights
+    with torch.no_grad():
+        init()
+    return model
+
+
+def test_cpu_mode_computes_moe_models_in_float32() -> None:
+    """CPU mode: FSDP gathers parameters in float32 and the MoE experts multiply in float32
+    (CPUs without bfloat16 units run bfloat16 matmuls ~50x slower). Every matmul of a forward
+    and backward of the MoE debug model's MoE layers, experts included, has float32 operands."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import titan_dualpipe.titan  # noqa: F401 - CPU mode
+    from titan_dualpipe.titan import cpu
+
+    job = _job_config("debug_moe_dualpipe")
+    assert job.training.mixed_precision_param == "bfloat16"  # torchtitan's default, in the shipped config
+    cpu.prepare_config(job)
+    assert job.training.mixed_precision_param == "float32"
+
+    matmuls = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
+               torch.ops.aten._grouped_mm}
+    seen: list[tuple[str, set]] = []
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in matmuls:
+                seen.append((str(func), {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = _built_model(job)
+    moes = [m for m in model.modules() if type(m).__name__ == "MoE"]
+    experts = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
+    calls = []
+    for module in experts:
+        module.register_forward_hook(lambda *_: calls.append(1))
+    hidden = torch.randn(2, 16, model.tok_embeddings.weight.shape[1], requires_grad=True)
+    with MatmulDtypes():
+        sum(moe(hidden).square().mean() for moe in moes).backward()
+    assert moes and len(calls) == len(experts) == len(moes), (len(moes), len(experts), len(calls))
+    assert seen and all(dtypes == {torch.float32} for _, dtypes in seen), sorted({(f, tuple(d)) for f, d in seen} - {
+        (f, (torch.float32,)) for f, _ in seen})
 
 
 def test_cpu_mode_only_without_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,14 @@ torchtitan assumes an accelerator. What breaks without one, each fixed here:
    Its reduce-scatters run as an all-reduce of the whole buffer that keeps the rank's slice
    (:class:`AllReduceScatter`): gloo's reduce-scatter takes about twice as long as its
    all-reduce of the same buffer, for every schedule alike.
-5. 0.2.2's MoE layers use an integer ``torch.histc`` and a Triton kernel: :mod:`.cpu_moe`.
+5. 0.2.2's MoE layers use an integer ``torch.histc`` and a Triton kernel; 0.3.0's experts
+   multiply in bfloat16: :mod:`.cpu_moe`.
 6. 0.3.0's decoders attend with flex attention, which has no backward on CPU:
    :mod:`.cpu_attention`.
+7. Compute in float32 (:func:`prepare_config`). FSDP's default mixed precision gathers
+   parameters in bfloat16, so every matmul of an FSDP run would be a bfloat16 matmul. CPUs
+   without bfloat16 units run those about 50x slower than float32 (256x256: 25 ms against
+   0.5 ms), so a CPU figure would measure the host's bfloat16 support, not the schedules.
 
 Which modules hold those names differs by release (:mod:`.generation`).
 
@@ -115,6 +120,23 @@ def _patch_fsdp_division() -> None:
             module.disable_fsdp_gradient_division = with_sum_only_reductions(module.disable_fsdp_gradient_division)
 
 
+def prepare_config(config: Any) -> None:
+    """Compute in float32: FSDP gathers parameters in float32 (torchtitan's
+    ``training.mixed_precision_param``), and 0.2.2 MoE models run their experts as plain
+    float32 matmuls (``moe_args.use_grouped_mm = False``, as torchtitan itself does for
+    deepseek_v3, llama4 and gpt_oss without SM90; qwen3 lacks that check). Called before the
+    model is built; logs what it changed."""
+    from torchtitan.tools.logging import logger
+
+    training = config.training
+    if training.mixed_precision_param != "float32":
+        logger.info(f"CPU mode: FSDP computes in float32 (training.mixed_precision_param was "
+                    f"{training.mixed_precision_param!r})")
+        training.mixed_precision_param = "float32"
+    if not GEN.registry:
+        cpu_moe.use_float32_experts_022(config.model.name, config.model.flavor)
+
+
 def accelerator_present() -> bool:
     return torch._utils._get_available_device_type() is not None
 
@@ -131,5 +153,7 @@ def enable() -> bool:
     utils = importlib.import_module("torchtitan.tools.utils")
     utils.get_device_info = lambda: ("cpu", device_module)
     _patch_fsdp_division()
-    (cpu_attention if GEN.registry else cpu_moe).enable()
+    cpu_moe.enable()
+    if GEN.registry:
+        cpu_attention.enable()
     return True

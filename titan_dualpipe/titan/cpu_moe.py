@@ -1,7 +1,20 @@
-"""CPU mode for torchtitan 0.2.2's MoE layers (deepseek_v3, llama4, qwen3, gpt_oss).
+"""CPU mode for torchtitan's MoE layers (0.2.2: deepseek_v3, llama4, qwen3, gpt_oss; 0.3.0).
 
 Applied by :func:`titan_dualpipe.titan.cpu.enable`, so only when there is no accelerator.
-Two things stop the MoE forward on CPU, each fixed in the one torchtitan module that hits it:
+
+Float32 experts. Both releases can multiply the experts' weights in bfloat16, which CPUs
+without bfloat16 units run about 50x slower than float32:
+
+- 0.2.2 has a switch, ``moe_args.use_grouped_mm``: False runs each expert as a float32
+  matmul. torchtitan turns it off itself without SM90 for deepseek_v3, llama4 and gpt_oss;
+  CPU mode turns it off for every model (:func:`use_float32_experts_022`).
+- 0.3.0's ``GroupedExperts`` always casts its operands to bfloat16 and multiplies through its
+  ``_grouped_mm`` method, the seam torchtitan keeps for other number formats. CPU mode's
+  :func:`float32_grouped_mm` takes that seam: the operands keep torchtitan's bfloat16 rounding
+  (the values a GPU multiplies), products and sums are float32.
+
+0.2.2 only: two things stop the MoE forward on CPU, each fixed in the one torchtitan module
+that hits it:
 
 1. ``models/moe/moe.py`` counts tokens per expert with ``torch.histc`` on the int64 expert
    indices; the CPU kernel has no integer version ("histogram_cpu" not implemented for
@@ -20,6 +33,8 @@ import importlib
 from typing import Any
 
 import torch
+
+from .generation import GEN
 
 
 def integer_histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
@@ -54,8 +69,32 @@ class TorchWithIntegerHistc:
         return integer_histc(values, bins, min, max)
 
 
+def float32_grouped_mm(self: Any, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """0.3.0's ``GroupedExperts._grouped_mm`` in float32 (its output dtype follows; torchtitan
+    casts the experts' result back to the input's dtype)."""
+    return torch._grouped_mm(A.float(), B_t.float(), offs=offs)
+
+
+def use_float32_experts_022(model_name: str, flavor: str) -> None:
+    """0.2.2: turn ``use_grouped_mm`` off in the model args the trainer is about to build from."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    moe_args = getattr(get_train_spec(model_name).model_args.get(flavor), "moe_args", None)
+    if moe_args is not None:
+        moe_args.use_grouped_mm = False
+
+
+def _enable_030() -> None:
+    experts = importlib.import_module("torchtitan.models.common.moe").GroupedExperts
+    if experts.__dict__.get("_grouped_mm") is not float32_grouped_mm:
+        experts._grouped_mm = float32_grouped_mm
+
+
 def enable() -> None:
     """Patch torchtitan's MoE modules for CPU (idempotent)."""
+    if GEN.registry:
+        _enable_030()
+        return
     moe = importlib.import_module("torchtitan.models.moe.moe")
     if not isinstance(moe.torch, TorchWithIntegerHistc):
         moe.torch = TorchWithIntegerHistc()

@@ -29,7 +29,7 @@ import importlib
 import sys
 from typing import Any, Callable
 
-from . import data, expert_overlap
+from . import cpu, data, expert_overlap
 from .config_check import check_job_config, our_schedule
 from .generation import GEN
 from .moe_twins import with_twin_expert_counts, with_twin_expert_counts_030
@@ -39,8 +39,11 @@ LOSS_RANK = 0  # pipeline rank holding a last stage for both schedules; global r
 
 
 def prepare(job_config: Any) -> None:
-    """Resolve asset paths, check the config, record the plan (raises ValueError on every rank)."""
+    """Resolve asset paths, check the config, record the plan (raises ValueError on every rank);
+    on a CPU-only machine, compute in float32 (:func:`.cpu.prepare_config`)."""
     data.resolve_asset_paths(job_config)
+    if not cpu.accelerator_present():
+        cpu.prepare_config(job_config)
     n_layers = GEN.n_layers(job_config) if our_schedule(job_config.parallelism.pipeline_parallel_schedule) else None
     ACTIVE.plan = check_job_config(job_config, n_layers)
     ACTIVE.overlap = GEN.overlap(job_config)
