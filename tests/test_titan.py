@@ -634,9 +634,15 @@ def test_gpu_configs_fit_the_world_they_declare(name: str) -> None:
         ),
         (["--compile.enable", "--compile.components", "model,loss"],
          [key("compile.enable") + " = true", "pytorch#161904", key("compile.components") + ' = ["loss"]']),
+        pytest.param(
+            ["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--compile.components", "model,loss"],
+            [key("activation_checkpoint.mode") + ' = "memory_budget"', "needs the model compiled", '"selective"',
+             '"full"'],
+            marks=pytest.mark.skipif(REGISTRY, reason="0.3.0 spells AC modes as config classes"),
+        ),
     ],
     ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch",
-         "compiled-model"],
+         "compiled-model", "memory-budget-ac"],
 )
 def test_bad_dualpipe_configs_name_the_keys(overrides: list[str], keys: list[str]) -> None:
     from titan_dualpipe.titan import check_job_config
@@ -999,6 +1005,73 @@ def test_moe_twin_expert_counts_summed(tmp_path: Path) -> None:
     results = mp.Manager().dict()
     mp.spawn(_twin_counts_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     assert results[0] == results[1] == [[10.0] * 4, [12.0] * 4]
+
+
+def _count_exchange_worker(rank: int, init_file: str, results) -> None:
+    """torchtitan's own token dispatch (0.2.2: ``ExpertParallel._token_dispatch``; 0.3.0:
+    ``AllToAllTokenDispatcher.dispatch``) as the forward half of a relayed pair on 2 EP ranks,
+    with its collectives logged in order next to the partner half's turns."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titan_dualpipe.overlap.relay import hand_over, run_relayed
+    from titan_dualpipe.titan import GEN, expert_overlap
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    expert_overlap.install()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    log: list[str] = []
+    ops = {"all_to_all_single": "post", "wait_tensor": "wait"}
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ in ops:
+                log.append(ops[func.overloadpacket.__name__])
+            return func(*args, **(kwargs or {}))
+
+    experts, dim, tokens = 4, 3, 6
+    expert_ids = torch.tensor([[0], [1], [2], [3], [1], [2]]) if rank == 0 else torch.tensor([[3], [3], [0], [1], [2], [0]])
+    counts = torch.bincount(expert_ids.view(-1), minlength=experts)
+    x = torch.randn(tokens, dim)
+
+    def forward() -> None:
+        with Collectives():
+            if GEN.registry:
+                from torchtitan.distributed import utils as titan_utils
+                from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+                titan_utils.set_spmd_backend("partial_dtensor")
+                dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=1))
+                dispatcher.wire_meshes(ep_mesh=mesh)
+                dispatcher.dispatch(x, torch.ones(tokens, 1), expert_ids, counts)
+            else:
+                from torchtitan.distributed.expert_parallel import ExpertParallel
+
+                routed = x[expert_ids.view(-1).argsort(stable=True)]
+                ExpertParallel()._token_dispatch(None, (routed, counts), mesh)
+
+    def backward() -> None:
+        for turn in range(3):
+            log.append(f"B{turn}")
+            hand_over()
+
+    run_relayed(forward, backward)
+    results[rank] = log
+    dist.destroy_process_group()
+
+
+def test_token_count_exchange_hands_over_between_posting_and_reading(tmp_path: Path) -> None:
+    """The count all-to-all is posted, the partner half computes, then the counts are read; then
+    the same for the token exchange. Without the hand-over the counts are read at once, with the
+    partner's exchange on the same communicator possibly still in flight."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_count_exchange_worker, args=(str(tmp_path / "init"), results), nprocs=2)
+    for rank in (0, 1):
+        assert results[rank][:6] == ["post", "B0", "wait", "post", "B1", "wait"], results[rank]
 
 
 def test_folded_rank_map_puts_twins_side_by_side() -> None:

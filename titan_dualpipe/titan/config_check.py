@@ -30,6 +30,7 @@ LAST_LESS_KEY = GEN.key("parallelism.pipeline_parallel_last_stage_less_layers")
 VALIDATION_BATCH_KEY = GEN.key("validation.local_batch_size")  # 0.2.2; 0.3.0 validates with the training batch
 COMPILE_KEY = GEN.key("compile.enable")
 COMPONENTS_KEY = GEN.key("compile.components")
+AC_MODE_KEY = GEN.key("activation_checkpoint.mode")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | Non
     _check_schedule_requirements(plan, job_config)
     _check_validation_batch(plan, job_config)
     _check_split(plan, par, n_layers)
+    _check_activation_checkpoint(plan, job_config)
     _check_compile(plan, job_config)
     if par.pipeline_parallel_schedule_csv:
         _check_csv(plan, par.pipeline_parallel_schedule_csv)
@@ -85,6 +87,20 @@ def _check_compile(plan: Plan, job_config: Any) -> None:
         raise ValueError(
             f"{plan.schedule}: {COMPILE_KEY} = true compiles the model's blocks, whose split backward (I, then W) "
             f'torch cannot run (pytorch#161904): set {COMPILE_KEY} = false, or {COMPONENTS_KEY} = ["loss"].'
+        )
+
+
+def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
+    """Every AC mode but ``memory_budget`` runs (checkpointed microbatches run their backward whole
+    at I, see ``runtime/split_backward.py``); memory_budget is torch.compile's partitioner, so it
+    needs a compiled model, which our split backward cannot run yet."""
+    mode = getattr(getattr(job_config, "activation_checkpoint", None), "mode", None)
+    if mode == "memory_budget":
+        raise ValueError(
+            f'{plan.schedule}: {AC_MODE_KEY} = "memory_budget" lets torch.compile choose what to recompute, so it '
+            "needs the model compiled, and compiled blocks cannot run the schedule's split backward (I, then W; "
+            f'pytorch#161904). Set {AC_MODE_KEY} = "selective" (selective_ac_option = "op", or a layer '
+            'frequency such as "2") or "full", which both run under DualPipe and DualPipeV.'
         )
 
 
