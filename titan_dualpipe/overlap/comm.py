@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -255,12 +255,23 @@ class _RelayedAllToAllSingle(torch.autograd.Function):
 
 @dataclass
 class RelayedExchangeCost:
-    """Emulated network for :func:`relayed_all_to_all_single` (CPU): every exchange is ready
-    ``seconds`` after it was posted at the earliest; ``stats`` adds up the time spent blocked
-    waiting for exchanges (posted to waited, the partner half's compute excluded)."""
+    """Emulated network for :func:`relayed_all_to_all_single` and :func:`relayed_count_exchange`
+    (CPU): a token exchange is ready ``seconds`` after it was posted at the earliest, a count
+    exchange (a few integers) at once; both not before every exchange posted earlier on the same
+    group (a communicator runs its collectives in order, as NCCL does on its stream). ``stats``
+    adds up the time spent blocked waiting for exchanges (posted to waited, the partner half's
+    compute excluded)."""
 
     seconds: float = 0.0
     stats: CommStats = field(default_factory=CommStats)
+    _group_ready_at: dict = field(default_factory=dict)
+
+    def ready_at(self, group: Any, earliest: float) -> float:
+        """When an exchange posted on ``group`` now, ready at ``earliest`` on its own, is ready."""
+        key = getattr(group, "group_name", id(group))
+        ready = max(earliest, self._group_ready_at.get(key, 0.0))
+        self._group_ready_at[key] = ready
+        return ready
 
 
 _RELAYED_COST: RelayedExchangeCost | None = None
@@ -280,11 +291,26 @@ def emulate_relayed_exchanges(seconds: float | None) -> RelayedExchangeCost | No
 def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
     cost, posted_at = _RELAYED_COST, time.perf_counter()
     pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+    ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds)
     hand_over()  # the partner half of a relayed pair computes while this one is in flight
     if cost is None:
         return wait_collective(pending)
     cost.stats.posted += 1
-    return cost.stats.wait_until(posted_at + cost.seconds, lambda: wait_collective(pending))
+    return cost.stats.wait_until(ready_at, lambda: wait_collective(pending))
+
+
+def relayed_count_exchange(post: Callable[[], T], group: Any) -> T:
+    """``post()`` (an expert-parallel token-count exchange on ``group``, the caller reads its
+    result later), then a hand-over to the partner half of a relayed pair, so that neither the
+    exchange nor the host read of the counts that follows blocks this half while the partner's
+    exchange on the same group is still in flight. Returns ``post()``'s result."""
+    cost = _RELAYED_COST
+    posted = post()
+    ready_at = None if cost is None else cost.ready_at(group, time.perf_counter())
+    hand_over()
+    if cost is not None:
+        cost.stats.wait_until(ready_at, lambda: None)
+    return posted
 
 
 def relayed_all_to_all_single(

@@ -17,6 +17,19 @@ unchanged (:mod:`titan_dualpipe.overlap.relay`).
   lacks (activation checkpointing re-runs the dispatch there): :class:`TrainerMeshes` gives a
   thread without that state the trainer's meshes.
 
+Before the token exchange, each rank's per-expert token counts go to its peers in an
+all-to-all that the dispatch then reads on the host. Read right after posting, that read
+blocks the running half until the exchange is done, and on one communicator that means until
+the partner half's token exchange, posted earlier, is done too (on GPUs, a host sync with the
+partner's exchange in flight). So the count exchange is a hand-over point as well
+(:func:`~titan_dualpipe.overlap.comm.relayed_count_exchange`): posted, then the partner
+computes, then it is read.
+
+- 0.2.2: ``ExpertParallel._token_dispatch`` posts it with ``all_to_all_single`` (looked up
+  in that module at call time) and waits on it at once.
+- 0.3.0: ``AllToAllTokenDispatcher._token_count_exchange`` posts it;
+  ``_sync_token_count_exchange`` waits and reads.
+
 DeepEP / HybridEP dispatch has its own communication and is left as it is.
 """
 
@@ -42,6 +55,20 @@ def _combine_token_exchange(self: Any, routed: torch.Tensor, pg: Any, input_spli
     from ..overlap.comm import relayed_all_to_all_single
 
     return relayed_all_to_all_single(routed, input_splits, output_splits, pg)
+
+
+def _count_exchange_hands_over(post: Callable[..., Any], group_of: Callable[..., Any]) -> Callable[..., Any]:
+    """``post`` (a count exchange poster) followed by a hand-over; ``group_of(*args)`` names its group."""
+    if getattr(post, "_titan_dualpipe", False):
+        return post
+
+    def posted_then_handed_over(*args: Any, **kwargs: Any) -> Any:
+        from ..overlap.comm import relayed_count_exchange
+
+        return relayed_count_exchange(lambda: post(*args, **kwargs), group_of(*args, **kwargs))
+
+    posted_then_handed_over._titan_dualpipe = True  # type: ignore[attr-defined]
+    return posted_then_handed_over
 
 
 class TrainerMeshes(threading.local):
@@ -81,6 +108,8 @@ def install() -> None:
 
         AllToAllTokenDispatcher._dispatch_token_exchange = _dispatch_token_exchange
         AllToAllTokenDispatcher._combine_token_exchange = _combine_token_exchange
+        AllToAllTokenDispatcher._token_count_exchange = _count_exchange_hands_over(
+            AllToAllTokenDispatcher._token_count_exchange, lambda self, counts, pg, ep_size: pg)
         _share_meshes_with_the_relay()
         return
     from torchtitan.distributed import expert_parallel
@@ -88,3 +117,5 @@ def install() -> None:
     from ..overlap.comm import relayed_all_to_all_single
 
     expert_parallel.all_to_all_single_autograd = relayed_all_to_all_single
+    expert_parallel.all_to_all_single = _count_exchange_hands_over(
+        expert_parallel.all_to_all_single, lambda x, output_splits, input_splits, group, *_: group)
