@@ -53,6 +53,7 @@ from torch.distributed.pipelining.schedules import (
     _batch_p2p,
     get_schedule_class,
 )
+from torch.distributed.pipelining.stage import _PipelineStage as TracedPipelineStage  # pipeline(...).build_stage
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.utils import checkpoint as _checkpoint_module
 
@@ -180,10 +181,7 @@ def _initialize_stages_by_shape_exchange(schedule: PipelineScheduleMulti, args: 
     shapes (or take them in memory from a same-rank predecessor).
     """
     if not schedule._stages_forward_initialized:
-        me = dist.get_rank()
-        warm_up = [op for stage in schedule._stages for op in stage._get_init_p2p_neighbors_ops() if op.peer != me]
-        if warm_up:
-            _wait_batch_p2p(_batch_p2p(warm_up))
+        warm_up_neighbours(schedule._stages)
         passed_on: tuple = ()
         for stage in schedule._stages:
             passed_on = stage._prepare_forward_infra(
@@ -196,13 +194,31 @@ def _initialize_stages_by_shape_exchange(schedule: PipelineScheduleMulti, args: 
         schedule._stages_backward_initialized = True
 
 
+def warm_up_neighbours(stages: list[_PipelineStageBase]) -> None:
+    """torch's warm-up message to every neighbour stage, leaving out those to this rank itself
+    (a V's turn, pp=1), which gloo rejects ("Pair is not connected"). torch sends them where
+    stage metadata is not voted on: on 2.11, and for traced stages (``pipeline(...).build_stage``)."""
+    me = dist.get_rank()
+    warm_up = [op for stage in stages for op in stage._get_init_p2p_neighbors_ops() if op.peer != me]
+    if warm_up:
+        _wait_batch_p2p(_batch_p2p(warm_up))
+
+
 def runnable_on_gloo(schedule: PipelineScheduleMulti) -> PipelineScheduleMulti:
-    """torch's own multi-stage schedule, able to start on gloo: on 2.11 its initialisation
-    sends warm-up messages from a rank to itself (V schedules, pp=1), which gloo rejects; it
-    then gets :func:`_initialize_stages_by_shape_exchange` instead. Unchanged on 2.12+."""
+    """torch's own multi-stage schedule, able to start on gloo: its initialisation sends warm-up
+    messages from a rank to itself (V schedules, pp=1), which gloo rejects, on 2.11 and on 2.12+
+    with traced stages; it then gets :func:`_initialize_stages_by_shape_exchange` (2.11) or
+    :func:`warm_up_neighbours` (2.12+, traced stages) instead. Otherwise unchanged."""
     if "target" not in _INIT_STAGES_KEYWORDS:
         schedule._initialize_stages = types.MethodType(_initialize_stages_by_shape_exchange, schedule)
+    elif not all(isinstance(stage, PipelineStage) for stage in schedule._stages):
+        schedule._warmup_p2p = _warm_up_unless_done
     return schedule
+
+
+def _warm_up_unless_done(stages: list[_PipelineStageBase], has_backward: bool, p2p_done: bool) -> None:
+    if not p2p_done:
+        warm_up_neighbours(stages)
 
 
 def _fsdp_param_groups(module: Any) -> list[Any]:
@@ -439,6 +455,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "TORCH_DEFER_RECV_OPS",
     "TORCH_VERSION",
+    "TracedPipelineStage",
     "_Action",
     "_ComputationType",
     "_PipelineContext",
@@ -473,5 +490,6 @@ __all__ = [
     "split_target",
     "stage_backward_replaced",
     "torch_version",
+    "warm_up_neighbours",
     "wait_collective",
 ]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .._compat import (
     PipelineStage,
+    TracedPipelineStage,
     _PipelineScheduleRuntime,
     _PipelineStageBase,
     agreed_inference_mode,
@@ -22,6 +23,7 @@ from .._compat import (
     schedule_kwargs,
     set_chain_ends,
     split_target,
+    warm_up_neighbours,
 )
 from ..orders import compute_order, placement
 from ..orders.lowering import lower, validate_order
@@ -249,6 +251,18 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         dist.all_gather_object(everyone, list(self.timeline), group=self._stages[0].group)
         return [event for events in everyone for event in events]
 
+    def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:
+        """torch's start-up exchange (2.12+). Stages from torch's tracer get torch's warm-up messages
+        without those from a rank to itself (a V's turn, pp=1), which gloo rejects; ``PipelineStage``s
+        vote on their metadata-inference mode."""
+        if all(isinstance(stage, PipelineStage) for stage in stages):
+            self._vote_inference_mode(stages, has_backward, p2p_done)
+        elif not p2p_done:
+            warm_up_neighbours(stages)
+
+    def _vote_inference_mode(self, stages, has_backward, p2p_done) -> None:
+        super()._warmup_p2p(stages, has_backward, p2p_done)
+
     def _before_stage_init(self) -> None:
         """Hook run before torch's stage initialisation (whose shape inference runs forwards)."""
 
@@ -313,9 +327,10 @@ class ScheduleDualPipe(_DualPipeFamily):
         super().__init__(*args, **kwargs)
         self._twins_synced = False
         for stage in self._stages:
-            if not isinstance(stage, PipelineStage):
+            if not isinstance(stage, (PipelineStage, TracedPipelineStage)):
                 raise PipelineConfigError(
-                    f"DualPipe needs torch.distributed.pipelining.PipelineStage stages, got {type(stage).__name__}"
+                    f"DualPipe needs torch.distributed.pipelining.PipelineStage stages (or traced ones, "
+                    f"pipeline(...).build_stage), got {type(stage).__name__}"
                 )
 
     @property
@@ -377,7 +392,7 @@ class ScheduleDualPipe(_DualPipeFamily):
         (received,) = swap([sent], [sent], peer, self._group)
         return {**mine, **dict(zip(other_mbs, received.unbind()))}
 
-    def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:
+    def _vote_inference_mode(self, stages, has_backward, p2p_done) -> None:
         """Metadata-inference mode agreed by all ranks (torch 2.13+; torch's vote assumes a single chain)."""
 
         def everyone_static(local_static: bool) -> bool:
