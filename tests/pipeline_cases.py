@@ -465,3 +465,29 @@ def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) 
     result = train_and_compare(schedule, pp, n, group, rank, factory=factory, **kwargs)
     layers = {s.stage_index: sorted(s.submod.layers) for s in built[0]._stages}
     return {**result, "whole_at_input": sorted(built[0].whole_backwards), "layers": layers}
+
+
+def _marked_whole(module) -> str:
+    return "marked by the test" if getattr(module, "whole_backward_for_test", False) else ""
+
+
+def whole_backward_by_rule(schedule: str, pp: int, n: int) -> dict | None:
+    """A static rule (``register_whole_backward_rule``) keeps every backward of this rank's
+    second stage whole at I: numerics against the reference, and which backwards ran whole."""
+    from titan_dualpipe.runtime.split_backward import register_whole_backward_rule
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    register_whole_backward_rule(_marked_whole)
+    built = []
+
+    def factory(stages, n, **schedule_kwargs):
+        stages[1].submod.whole_backward_for_test = True
+        built.append(SCHEDULES[schedule](stages, n, **schedule_kwargs))
+        return built[-1]
+
+    result = train_and_compare(schedule, pp, n, group, rank, factory=factory)
+    marked = [s.stage_index for s in built[0]._stages if _marked_whole(s.submod)]
+    return {**result, "marked": marked, "whole_at_input": sorted(built[0].whole_backwards)}
