@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -144,9 +145,11 @@ def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") 
     raise AssertionError(f"step() with mistake {mistake!r} did not raise")
 
 
-def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int | None = None) -> str | None:
+def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int | None = None,
+                   error_kind: bool = False) -> str | None:
     """Constructor errors: raised on every rank before any pipeline traffic (``only_rank``:
-    the mistake is made on that rank alone)."""
+    the mistake is made on that rank alone). ``error_kind``: caught as torch-style code catches
+    its schedules' errors (``RuntimeError``); the class name instead of the message."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
@@ -170,8 +173,8 @@ def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int 
     stages = [PipelineStage(copy.deepcopy(module), s, num_stages, torch.device("cpu"), group=group) for s in ids]
     try:
         SCHEDULES[schedule](stages, n, loss_fn=lm_loss)
-    except ValueError as err:
-        return str(err)
+    except (RuntimeError if error_kind else ValueError) as err:
+        return type(err).__name__ if error_kind else str(err)
     raise AssertionError(f"{mistake}: constructor did not raise")
 
 
@@ -465,6 +468,281 @@ def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) 
     result = train_and_compare(schedule, pp, n, group, rank, factory=factory, **kwargs)
     layers = {s.stage_index: sorted(s.submod.layers) for s in built[0]._stages}
     return {**result, "whole_at_input": sorted(built[0].whole_backwards), "layers": layers}
+
+
+# -- torch's schedule contract: cycle-free steps, custom functions, static metadata, traced stages --
+
+def _garbage_tensors(run) -> list[torch.Tensor]:
+    """Tensors that ``run()`` leaves only the cycle collector could free (torch's tests call this
+    check ``check_leaked_tensors``): collector off during ``run``, then everything unreachable kept."""
+    import gc
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run()
+        gc.collect()
+        return [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+
+
+def tensors_left_for_gc(schedule: str, pp: int, n: int, overlap: bool) -> dict | None:
+    """A second training step (the first initialises the stages) leaves no tensor in a reference cycle."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, rank, overlap=overlap)
+    feeds = sched.placement.feeds_batch(rank)
+
+    def step(i: int) -> None:
+        x, y = batch(i, n)
+        sched.step(x, target=y, losses=[]) if feeds else sched.step()
+
+    step(0)
+    garbage = _garbage_tensors(lambda: step(1))
+    return {"tensors": len(garbage), "shapes": [tuple(t.shape) for t in garbage[:8]]}
+
+
+def _torch_test_callbacks(calls: dict):
+    """The FORWARD and OVERLAP_F_B functions torch's own test (``test_custom_function_callback``)
+    registers on a runtime schedule: they redo its bookkeeping through ``fwd_recv_ops``,
+    ``bwd_recv_ops``, ``backward_counter``, ``_maybe_compute_loss``/``_maybe_get_loss`` and
+    same-rank hand-offs between stages ``s`` and ``s+1``."""
+    from titan_dualpipe._compat import _PipelineScheduleRuntime, _wait_batch_p2p
+
+    def forward(action, ctx) -> None:
+        schedule = ctx.schedule_ref
+        assert isinstance(schedule, _PipelineScheduleRuntime)
+        stages = {stage.stage_index: stage for stage in schedule._stages}
+        s, mb = action.stage_index, action.microbatch_index
+        stage = stages[s]
+        calls["F"] += 1
+        if not stage.is_first and s - 1 not in stages:
+            assert (s, mb) in schedule.fwd_recv_ops, f"Computing {action=} before receiving input"
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((s, mb)))
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb])
+        schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+        if s + 1 in stages:
+            stages[s + 1].set_local_fwd_input(output, mb)
+
+    def overlap(action, ctx) -> None:
+        schedule = ctx.schedule_ref
+        stages = {stage.stage_index: stage for stage in schedule._stages}
+        fwd, bwd = action.sub_actions
+        forward(fwd, ctx)
+        calls["OVERLAP_F_B"] += 1
+        s, mb = bwd.stage_index, bwd.microbatch_index
+        stage = stages[s]
+        if not stage.is_last and s + 1 not in stages:
+            assert (s, mb) in schedule.bwd_recv_ops, f"Attempted to run compute {action=} before receiving input"
+            _wait_batch_p2p(schedule.bwd_recv_ops.pop((s, mb)))
+        loss = schedule._maybe_get_loss(stage, mb)
+        schedule.backward_counter[s] += 1
+        last = schedule.backward_counter[s] == schedule._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+        if last:
+            stage.scale_grads(schedule._n_microbatches if schedule.scale_grads else 1)
+        if s - 1 in stages:
+            stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    return forward, overlap
+
+
+@contextlib.contextmanager
+def _cpu_streams_for(module):
+    """torchtitan's overlap callback sets the backward thread's stream to the forward's; a CPU has
+    no streams (``torch.accelerator`` raises), so both calls do nothing here."""
+    import types
+
+    saved = module.device_module, torch.accelerator.current_stream
+    module.device_module = types.SimpleNamespace(set_stream=lambda stream: None)
+    torch.accelerator.current_stream = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        module.device_module, torch.accelerator.current_stream = saved
+
+
+def custom_functions_numerics(schedule: str, pp: int, n: int, callbacks: str) -> dict | None:
+    """Two training steps with custom functions written for torch's runtime registered, against
+    the reference. ``callbacks``: ``"torchtitan"`` (0.2.2's ``dual_pipe_v.overlap_callback`` for
+    OVERLAP_F_B) or ``"torch_tests"`` (torch's test functions for FORWARD and OVERLAP_F_B)."""
+    from collections import Counter
+
+    from titan_dualpipe._compat import F, OVERLAP_F_B
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    calls: Counter = Counter()
+    built: list = []
+    streams = contextlib.nullcontext()
+    if callbacks == "torchtitan":
+        from torchtitan.distributed import dual_pipe_v
+
+        def titan_overlap(action, ctx) -> None:
+            calls["OVERLAP_F_B"] += 1
+            dual_pipe_v.overlap_callback(action, ctx)
+
+        functions = {OVERLAP_F_B: titan_overlap}
+        streams = _cpu_streams_for(dual_pipe_v)
+    else:
+        forward, overlap = _torch_test_callbacks(calls)
+        functions = {F: forward, OVERLAP_F_B: overlap}
+
+    def factory(stages, n, **kwargs):
+        sched = SCHEDULES[schedule](stages, n, **kwargs)
+        for kind, fn in functions.items():
+            sched.register_custom_function(kind, fn)
+        built.append(sched)
+        return sched
+
+    with streams:
+        result = train_and_compare(schedule, pp, n, group, rank, factory=factory, scale_grads=False)
+    order = built[0].pipeline_order[rank]
+    in_order = Counter(str(a.computation_type) for a in order)
+    return {**result, "calls": dict(calls), "pairs": in_order[str(OVERLAP_F_B)], "forwards": in_order[str(F)]}
+
+
+def _static_stage(stage) -> PipelineStage:
+    """``stage`` rebuilt with static metadata (no shape inference): example tensors of one
+    microbatch, made without requires_grad as user code makes them."""
+    module = stage.submod
+    _, example_ids = batch(0, 1)
+    hidden = torch.zeros(MB_SIZE, example_ids.shape[1], 16)  # build_pipeline's TinyLM(dim=16)
+    example_in = example_ids if module.tok_embeddings is not None else hidden
+    with torch.no_grad():
+        example_out = module(example_in)
+    return PipelineStage(module, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+                         input_args=(example_in,), output_args=(example_out,))
+
+
+def static_metadata_numerics(schedule: str, pp: int, n: int) -> dict | None:
+    """Stages built with ``input_args=``/``output_args=`` train like the reference."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    modes: list = []
+
+    def factory(stages, n, **kwargs):
+        sched = SCHEDULES[schedule]([_static_stage(s) for s in stages], n, **kwargs)
+        modes.append(sched)
+        return sched
+
+    result = train_and_compare(schedule, pp, n, group, rank, factory=factory)
+    return {**result, "modes": sorted({str(getattr(s, "_inference_mode", None)) for s in modes[0]._stages})}
+
+
+def torch_dualpipev_static_metadata(pp: int, n: int) -> dict | None:
+    """One step of torch's own ScheduleDualPipeV on stages with static metadata (no workaround of
+    ours): the largest gradient error, or the error it raised (no assertion: the caller decides)."""
+    from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
+
+    from titan_dualpipe._compat import runnable_on_gloo
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    RUNTIMES["torch:static DualPipeV"] = lambda schedule: (
+        lambda stages, n, **kw: runnable_on_gloo(TorchDualPipeV([_static_stage(s) for s in stages], n, **kw)))
+    reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, rank, runtime="torch:static DualPipeV")
+    x, y = batch(0, n)
+    try:
+        sched.step(x, target=y, losses=[]) if rank == 0 else sched.step()
+    except Exception as err:  # noqa: BLE001 - the test compares the outcome with the flag
+        return {"raised": f"{type(err).__name__}: {err}"}
+    reference_step(reference, x, y, n, scale_grads=True)
+    ref = dict(reference.named_parameters())
+    worst = max((p.grad - ref[name].grad).abs().max().item() if p.grad is not None else float("inf")
+                for m in modules.values() for name, p in m.named_parameters())
+    return {"grad_err": worst}
+
+
+TRACED_DIM = 16
+
+
+class _TwoChains(torch.nn.Module):
+    """DualPipe's two directions as one traceable model: ``parts`` and a copy of them, each chain
+    fed the input, each chain's end a model output."""
+
+    def __init__(self, parts: list) -> None:
+        super().__init__()
+        self.first = torch.nn.Sequential(*parts)
+        self.second = torch.nn.Sequential(*copy.deepcopy(parts))
+
+    def stage_names(self) -> list[str]:
+        return [f"{chain}.{k}" for chain in ("first", "second") for k in range(len(self.first))]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first(x), self.second(x)
+
+
+def traced_numerics(schedule: str, pp: int, n: int, steps: int = 2) -> dict | None:
+    """Stages from torch's tracer frontend (``pipeline(...)``, ``build_stage``) on gloo: losses and
+    every gradient against a non-pipelined reference, two steps with Adam between.
+
+    The model is a chain of ``Linear + Tanh`` parts, one per stage. DualPipe: ``pp`` parts, traced
+    as two chains from the same input (:class:`_TwoChains`), so stage ``pp + k`` holds part ``k``
+    again (the direction-1 copy) and both chain ends are the model's outputs."""
+    from torch import nn
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    place = placement(schedule, pp, n)
+    torch.manual_seed(0)
+    parts = [nn.Sequential(nn.Linear(TRACED_DIM, TRACED_DIM), nn.Tanh())
+             for _ in range(place.num_stages if schedule == "DualPipeV" else pp)]
+    reference = nn.Sequential(*copy.deepcopy(parts))
+    chain = nn.Sequential(*parts) if schedule == "DualPipeV" else _TwoChains(parts)
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n * MB_SIZE, TRACED_DIM, generator=g) for _ in range(steps)]
+    ys = [torch.randn(n * MB_SIZE, TRACED_DIM, generator=g) for _ in range(steps)]
+    names = [str(k) for k in range(len(parts))] if schedule == "DualPipeV" else chain.stage_names()
+    pipe = pipeline(chain, mb_args=(xs[0][:MB_SIZE],), split_spec={name: SplitPoint.BEGINNING for name in names[1:]})
+    stages = [pipe.build_stage(s, torch.device("cpu"), group=group) for s in place.stages_of(rank)]
+    modules = {s: pipe.get_stage_module(s) for s in place.stages_of(rank)}
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+    sched = SCHEDULES[schedule](stages, n, loss_fn=loss_fn)
+    opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    result = {"grad_err": 0.0, "losses_checked": 0}
+    for step in range(steps):
+        losses: list = []
+        x, y = xs[step], ys[step]
+        sched.step(x, target=y, losses=losses) if place.feeds_batch(rank) else sched.step()
+        ref_losses = [loss_fn(reference(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))]
+        (torch.stack(ref_losses).sum() / n).backward()
+        if losses:
+            torch.testing.assert_close(torch.stack([l.detach() for l in losses]), torch.stack(ref_losses).detach(),
+                                       rtol=RTOL, atol=ATOL)
+            result["losses_checked"] += len(losses)
+        for s, module in modules.items():
+            want = list(reference[place.model_part(s)].parameters())
+            got = list(module.parameters())
+            assert len(got) == len(want) == 2, (s, len(got))
+            for p, r in zip(got, want):
+                torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} stage {s}: {m}")
+                result["grad_err"] = max(result["grad_err"], (p.grad - r.grad).abs().max().item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return result
 
 
 def _marked_whole(module) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 import pipeline_cases as cases
 from dist_pool import WorkerPool
+from titan_dualpipe import _compat
 
 WORLD = 4
 
@@ -196,3 +197,69 @@ def test_static_rule_keeps_a_stages_backward_whole(pool, schedule, pp, n):
         (marked,) = r["marked"]
         assert {s for s, _ in r["whole_at_input"]} == {marked}, r
         assert len(r["whole_at_input"]) == (n // 2 if schedule == "DualPipe" else n), r
+
+
+# -- torch's schedule contract --------------------------------------------------------------------
+
+GC_CASES = [("DualPipeV", 1, 2), ("DualPipeV", 2, 4), ("DualPipeV", 4, 8), ("DualPipe", 2, 4), ("DualPipe", 4, 8)]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
+@pytest.mark.parametrize("schedule,pp,n", GC_CASES)
+def test_a_step_leaves_no_tensor_to_the_cycle_collector(pool, schedule, pp, n, overlap):
+    """torch's check_leaked_tensors: with the cycle collector off, a second step() leaves no
+    tensor in a reference cycle (every rank; 1, 2 and 4 ranks; pairs overlapped and sequential)."""
+    ran = _ran(pool.run(cases.tensors_left_for_gc, schedule=schedule, pp=pp, n=n, overlap=overlap))
+    assert len(ran) == pp
+    assert all(r["tensors"] == 0 for r in ran), ran
+
+
+@pytest.mark.parametrize("schedule,pp,n,callbacks", [
+    ("DualPipeV", 2, 4, "torchtitan"), ("DualPipeV", 4, 8, "torchtitan"),
+    ("DualPipeV", 2, 5, "torch_tests"), ("DualPipeV", 4, 8, "torch_tests"),
+    ("DualPipe", 2, 4, "torch_tests"), ("DualPipe", 4, 8, "torch_tests"),
+])
+def test_custom_functions_written_for_torchs_runtime(pool, schedule, pp, n, callbacks):
+    """register_custom_function with functions written against torch's _PipelineScheduleRuntime
+    (torchtitan 0.2.2's DualPipeV overlap_callback; torch's own test callbacks for F and
+    OVERLAP_F_B): they run every pair (and forward) of both steps, and train like the reference."""
+    if callbacks == "torchtitan":
+        pytest.importorskip("torchtitan.distributed.dual_pipe_v")
+    ran = _ran(pool.run(cases.custom_functions_numerics, schedule=schedule, pp=pp, n=n, callbacks=callbacks))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+    for r in ran:
+        assert r["pairs"] > 0 and r["calls"]["OVERLAP_F_B"] == 2 * r["pairs"], r
+        if callbacks == "torch_tests":
+            assert r["calls"]["F"] == 2 * (r["forwards"] + r["pairs"]), r
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 1, 2), ("DualPipeV", 2, 4), ("DualPipeV", 4, 8),
+                                           ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
+def test_static_stage_metadata(pool, schedule, pp, n):
+    """Stages built with input_args=/output_args= (no shape inference) train like the reference."""
+    ran = _ran(pool.run(cases.static_metadata_numerics, schedule=schedule, pp=pp, n=n))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+    if _compat.HAS_METADATA_VOTE:
+        assert all(r["modes"] == ["InferenceMode.STATIC"] for r in ran), ran
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 1, 2), ("DualPipeV", 2, 4), ("DualPipeV", 4, 9),
+                                           ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
+def test_traced_stages_on_gloo(pool, schedule, pp, n):
+    """Stages from torch's tracer frontend (pipeline(...), build_stage) start on gloo and train
+    like the reference: every loss and gradient, two steps with Adam between."""
+    ran = _ran(pool.run(cases.traced_numerics, schedule=schedule, pp=pp, n=n))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
+def test_configuration_errors_are_value_and_runtime_errors(pool, schedule):
+    """Code written against torch's schedules catches RuntimeError, ours ValueError: one class is both."""
+    from titan_dualpipe import PipelineConfigError
+
+    assert issubclass(PipelineConfigError, ValueError) and issubclass(PipelineConfigError, RuntimeError)
+    kinds = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=4, mistake="wrong_ids", error_kind=True))
+    assert kinds == ["PipelineConfigError"] * 2, kinds
