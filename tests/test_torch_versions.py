@@ -121,3 +121,17 @@ def test_compiled_stages_are_refused_on_every_rank(pool, schedule):
         pytest.skip("compiled blocks work in torch's split backward on this torch")
     messages = [m for m in pool.run(cases.compiled_stages_refused, schedule=schedule, pp=2, n=4) if m is not None]
     assert len(messages) == 2 and all("pytorch#161904" in m and "(layers." in m for m in messages), messages
+
+
+def test_static_metadata_matches_the_flag(pool):
+    """torch's own ScheduleDualPipeV on stages with static metadata (input_args=/output_args=, one
+    rank, so its V's turn hands off in memory) fails or gives wrong gradients exactly when
+    ``STATIC_METADATA_DROPS_INPUT_GRADS`` says so; ours train correctly either way
+    (tests/test_runtime.py::test_static_stage_metadata)."""
+    outcome = pool.run(cases.torch_dualpipev_static_metadata, pp=1, n=2)[0]
+    torch_is_wrong = "raised" in outcome or outcome["grad_err"] > cases.ATOL
+    if "raised" in outcome:
+        assert "Output gradient" in outcome["raised"] or "grad can be implicitly created" in outcome["raised"], outcome
+    assert torch_is_wrong == _compat.STATIC_METADATA_DROPS_INPUT_GRADS, (
+        f"torch {torch.__version__}: its ScheduleDualPipeV with static metadata gives {outcome}, but "
+        f"STATIC_METADATA_DROPS_INPUT_GRADS={_compat.STATIC_METADATA_DROPS_INPUT_GRADS}")
