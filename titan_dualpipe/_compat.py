@@ -16,10 +16,13 @@ What differs across the range, and what we do about it:
 - Pre-split microbatches (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) arrived in
   2.14; our schedules own ``step()`` and accept them on every version.
 - torch problems we work around, each with a flag here and a test that shows, per version,
-  whether torch's own path is still wrong (``tests/test_torch_workarounds.py``):
+  whether torch's own path is still wrong (``tests/test_torch_versions.py``):
   :data:`TORCH_DEFER_RECV_OPS` (reorders receives from one peer; absent before 2.13),
-  :data:`SPLIT_BACKWARD_NEEDS_UNSHARD` (nested FSDP2 loses weight grads in a split backward)
+  :data:`SPLIT_BACKWARD_NEEDS_UNSHARD` (nested FSDP2 loses weight grads in a split backward),
+  :data:`STATIC_METADATA_DROPS_INPUT_GRADS` (static stage metadata loses input gradients)
   and torch's single-chain send/recv lowering (``_add_send_recv``; DualPipe has two chains).
+- Warm-up messages from a rank to itself, which gloo rejects (2.11; traced stages on 2.12+):
+  :func:`warm_up_neighbours` leaves them out.
 """
 
 from __future__ import annotations
