@@ -147,6 +147,21 @@ def test_emulated_network_waits_without_cpu_and_counts_only_blocked_time():
     assert stats.waited_s - before < 0.01
 
 
+def test_emulated_network_runs_a_groups_exchanges_in_order():
+    """bench titan's network: an exchange is never ready before one posted earlier on its group
+    (one communicator, one stream); other groups are independent."""
+    from types import SimpleNamespace
+
+    from titan_dualpipe.overlap.comm import RelayedExchangeCost
+
+    cost = RelayedExchangeCost(seconds=1.0)
+    ep, other = SimpleNamespace(group_name="ep"), SimpleNamespace(group_name="other")
+    assert cost.ready_at(ep, 10.0) == 10.0  # a token exchange posted at 9.0
+    assert cost.ready_at(ep, 9.5) == 10.0  # a count exchange posted after it: ready with it, not before
+    assert cost.ready_at(other, 9.5) == 9.5
+    assert cost.ready_at(ep, 12.0) == 12.0
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda: MoEArgs(dim=30, n_heads=4), "divisible by n_heads"),
     (lambda: MoEArgs(num_experts=2, top_k=3), "top_k=3 must be <= num_experts=2"),

@@ -16,7 +16,10 @@ with, as in ``bench overlap``: a first 1F1B run times every MoE block's forward 
 and each of a block's four exchanges (dispatch and combine, forward and backward) then takes
 ``R * block / 4`` at the least. ``R = 1`` is DeepSeek-V3's ratio; ``R = 0`` adds nothing.
 torch's own ``ScheduleDualPipeV`` is the name ``TorchDualPipeV`` here (ours took "DualPipeV");
-it runs its overlapped pairs one after the other.
+it runs its overlapped pairs one after the other. The emulated network runs a group's exchanges
+in order, and a token-count exchange (a few integers) costs no time of its own: reading the
+counts waits only for the exchanges posted before it on the group. ``... counts read at once``
+(on request) reads them right after posting, without the hand-over our schedules make there.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record;
 EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all
 CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold)
+COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "0": token counts read right after posting
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Variant:
     schedule: str
     overlap: bool | None = None  # None: the config's own setting (torch's schedules ignore it)
     fold_twins: bool = True
+    count_hand_over: bool = True  # False: the token-count exchange is read at once, no hand-over
 
 
 VARIANTS = (
@@ -64,8 +69,11 @@ VARIANTS = (
     Variant("DualPipe", "DualPipe", overlap=True),
     Variant("DualPipe sequential", "DualPipe", overlap=False),
     Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
+    Variant("DualPipeV counts read at once", "DualPipeV", overlap=True, count_hand_over=False),
+    Variant("DualPipe counts read at once", "DualPipe", overlap=True, count_hand_over=False),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
+DEFAULT_LABELS = [v.label for v in VARIANTS if v.count_hand_over]  # the others are comparison runs, on request
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 
 
@@ -76,7 +84,8 @@ OPTIONS: dict[str, dict] = {
     "--rounds": dict(type=int, default=2, help="rounds; each runs every schedule once"),
     "--steps": dict(type=int, default=8, help="training steps per run"),
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
-    "--schedules": dict(default=",".join(BY_LABEL), help="comma-separated, from: " + ", ".join(BY_LABEL)),
+    "--schedules": dict(default=",".join(DEFAULT_LABELS),
+                        help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts read at once')"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
     "--json": dict(action="store_true", default=False, help="print JSON instead of a table"),
 }
@@ -157,7 +166,7 @@ class Launcher:
         argv += ["--training.steps", str(steps), "--parallelism.pipeline_parallel_schedule", variant.schedule]
         argv += [self._overlap_flag(variant.overlap)] if variant.overlap is not None else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
-               FOLD_ENV: "1" if variant.fold_twins else "0"}
+               FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0"}
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})
         log = out / "log.txt"

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, EXCHANGE_S_ENV
+from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
 from .generation import GEN
 
 
@@ -142,6 +142,8 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
                          "exchanges cross the real network; run the bench with --comm-ratio 0")
     expert_overlap.install()
     cost = emulate_relayed_exchanges(exchange_s)
+    if cost is not None:
+        cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "1") != "0"
     record, clock = _Record(), _PhaseClock()
 
     for trainer_class in trainer_classes():
