@@ -121,15 +121,16 @@ UNSHARD = _ComputationType.UNSHARD
 RESHARD = _ComputationType.RESHARD
 REDUCE_GRAD = _ComputationType.REDUCE_GRAD
 
-# Static stage metadata (PipelineStage(..., input_args=, output_args=), no shape inference) takes
-# the received activations' requires_grad from the example inputs (False for inputs made without
-# it), and its gradient metadata from the example outputs': no input gradient is computed, no
-# receive buffer for output gradients made, and the backward fails ("Output gradient: ('None',)";
-# torch's own ScheduleDualPipeV too). Shape inference and the tracer mark floating-point
-# activations passed between stages as requiring grad; initialize_stages does the
-# same for static metadata (mark_static_inputs_differentiable). tests/test_torch_versions.py
-# checks torch's own V schedule against this flag.
-STATIC_METADATA_DROPS_INPUT_GRADS: bool = True
+# Static stage metadata (PipelineStage(..., input_args=, output_args=), no shape inference), 2.12+
+# (its static/dynamic metadata code): the received activations' requires_grad comes from the
+# example inputs (False for inputs made without it), the gradient metadata from the example
+# outputs': no input gradient is computed, no receive buffer for output gradients made, and the
+# backward fails ("Output gradient: ('None',)"; torch's own ScheduleDualPipeV too; seen on 2.13.0
+# and 2.14.1). Shape inference and the tracer mark floating-point activations passed between
+# stages as requiring grad; initialize_stages does the same for static metadata
+# (mark_static_inputs_differentiable). 2.11's static metadata trains correctly (checked on
+# 2.11.0). tests/test_torch_versions.py checks torch's own V schedule against this flag.
+STATIC_METADATA_DROPS_INPUT_GRADS: bool = InferenceMode is not None
 
 _TORCH_SCHEDULE_KEYWORDS = frozenset(inspect.signature(PipelineScheduleMulti.__init__).parameters)
 
