@@ -365,46 +365,47 @@ def module_forward_replaced(module: torch.nn.Module, fn: Callable[..., Any]) -> 
 
 _SAC_FORWARD_MODE = _checkpoint_module._CachingTorchDispatchMode  # SAC's forward-side dispatch mode
 _CHECKPOINT_HOOKS = _checkpoint_module._checkpoint_hook  # every non-reentrant checkpoint region's hooks
-_OBSERVED = ((_SAC_FORWARD_MODE, "selective"), (_CHECKPOINT_HOOKS, "checkpoint"))
+# (class, method entered by every region of that kind, kind)
+_OBSERVED = ((_SAC_FORWARD_MODE, "__enter__", "selective"), (_CHECKPOINT_HOOKS, "__enter__", "checkpoint"))
 _regions_seen = threading.local()
 _observers_lock = threading.Lock()
 _observers: list[int] = [0]  # open checkpoint_regions_seen blocks, all threads
+_OWN = "titan_dualpipe_own_"
 
 
-def _recording_enter(kind: str, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def enter(self: Any) -> Any:
+def _recording(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def record_then_call(*args: Any, **kwargs: Any) -> Any:
         seen = getattr(_regions_seen, "kinds", None)
         if seen is not None:
             seen.add(kind)
-        return original(self)
+        return original(*args, **kwargs)
 
-    enter.titan_dualpipe_original = original  # type: ignore[attr-defined]
-    return enter
+    return record_then_call
 
 
 def _install_observers(install: bool) -> None:
-    for cls, kind in _OBSERVED:
+    for cls, name, kind in _OBSERVED:
         if install:
-            own = cls.__dict__.get("__enter__")
-            cls.__enter__ = _recording_enter(kind, cls.__enter__)
-            cls.titan_dualpipe_own_enter = own
+            own = cls.__dict__.get(name)
+            setattr(cls, _OWN + name, own)
+            setattr(cls, name, _recording(kind, getattr(cls, name)))
         else:
-            own = cls.__dict__["titan_dualpipe_own_enter"]
-            del cls.titan_dualpipe_own_enter
+            own = cls.__dict__[_OWN + name]
+            delattr(cls, _OWN + name)
             if own is None:
-                del cls.__enter__
+                delattr(cls, name)
             else:
-                cls.__enter__ = own
+                setattr(cls, name, own)
 
 
 @contextlib.contextmanager
 def checkpoint_regions_seen() -> Iterator[set[str]]:
     """Within the block, collect which kinds of non-reentrant activation-checkpoint regions run
-    on this thread: ``"checkpoint"`` for any (``torch.utils.checkpoint.checkpoint(...,
+    on this thread: ``"checkpoint"`` for any non-reentrant one (``torch.utils.checkpoint.checkpoint(...,
     use_reentrant=False)``, torch's ``checkpoint_wrapper``), ``"selective"`` for selective ones
     (``context_fn=create_selective_checkpoint_contexts(...)``), whose saved values serve one
     backward only. Seen when a region enters its saved-tensor hooks and SAC dispatch mode; torch's
-    classes get their own ``__enter__`` back when the last open block ends."""
+    classes get their own methods back when the last open block ends."""
     with _observers_lock:
         if _observers[0] == 0:
             _install_observers(True)

@@ -8,7 +8,7 @@ then W. Some regions cannot be run twice, or pay twice when they are:
   its saved values serve one backward; the second stops with "Trying to backward an extra
   time";
 - full activation checkpointing recomputes its region in each backward, so I and W pay for
-  the recomputation twice.
+  the recomputation twice (measured: far more than twice, see the README).
 
 A microbatch of a stage whose forward ran such a region gets a full backward at its I (input
 and weight gradients in one autograd pass), and its W does nothing. Its I then costs what a
