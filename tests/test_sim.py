@@ -177,6 +177,20 @@ def test_parse_costs() -> None:
     assert Costs().scaled(0.5).as_dict() == {"F": 0.5, "B": 1.0, "W": 0.5, "I": 0.5, "FB": 1.5}
 
 
+def test_split_input_cost_models_dearer_split_backwards_and_whole_backwards_at_i() -> None:
+    """``I`` given: a split backward dearer than the full one (AC recomputes in I and in W) is
+    allowed and slows the schedule down; ``I=B,W=0`` is a backward run whole at I."""
+    costs = parse_costs("F=1,B=3,I=2,W=2")
+    assert (costs.I, costs.W, costs.B) == (2, 2, 3) and parse_costs(str(costs)).I == 2
+    assert costs.scaled(0.5).I == 1
+    pipeline = pipeline_for("DualPipeV", 4, 16)
+    ideal = simulate(pipeline, parse_costs("F=1,B=3,W=1")).makespan
+    assert simulate(pipeline, parse_costs("F=1,B=3,I=2,W=1")).makespan == ideal  # I = B - W spelled out
+    assert simulate(pipeline, costs).makespan > ideal
+    whole = simulate(pipeline, parse_costs("F=1,B=3,I=3,W=0"))
+    assert whole.makespan == simulate(pipeline, parse_costs("F=1,B=3,W=0")).makespan > ideal
+
+
 @pytest.mark.parametrize("text, named", [
     ("F=1,X=2", "'X=2'"), ("F=one", "'one'"), ("F", "'F'"), ("W=3", "W=3"), ("F=-1", "F=-1"), ("B=0", "B=0"),
 ])
