@@ -26,8 +26,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, help="microbatches per step")
     p.add_argument("--cost", default=DEFAULT_COSTS, type=_costs_argument,
-                   help=f"per-action costs KEY=VALUE,... with F, B (full backward), W (weight part of B; "
-                        f"I = B - W), FB (overlapped F+B pair, default F+B) (default {DEFAULT_COSTS})")
+                   help=f"per-action costs KEY=VALUE,... with F, B (full backward), W (weight part of B), "
+                        f"I (input part of a split backward, default B - W; I=B,W=0: backwards run whole at I), "
+                        f"FB (overlapped F+B pair, default F+B) (default {DEFAULT_COSTS})")
     p.add_argument("--p2p", type=float, default=0.0, help="latency added to each cross-rank hand-off (default 0)")
     p.add_argument("--csv", metavar="FILE", help="a torch-format CSV order (one row per rank) instead of --schedule")
 
