@@ -50,6 +50,8 @@ if REGISTRY:  # 0.3.0: config functions, tyro flags in their CLI spelling, our d
     NO_OVERLAP = ("--dualpipe.no-overlap",)
     FULL_AC = ("activation-checkpoint:full",)  # a tyro subcommand: last on the command line
     FULL_AC_LOG = "Applied FullAC activation checkpointing"
+    MEMORY_BUDGET_AC = (("activation-checkpoint:memory-budget",), "MemoryBudgetAC.Config()",
+                        ("activation-checkpoint:selective", "activation-checkpoint:full"))
     AFTER_PROCESS_GROUP_LOG = "Building llama3 debugmodel"
 else:  # 0.2.2: TOMLs
     DUMP_FOLDER = "--job.dump_folder"
@@ -57,6 +59,8 @@ else:  # 0.2.2: TOMLs
     NO_OVERLAP = ("--parallelism.no-pipeline-parallel-expert-parallel-overlap",)
     FULL_AC = ("--activation_checkpoint.mode", "full")
     FULL_AC_LOG = "Applied full activation checkpointing"
+    MEMORY_BUDGET_AC = (("--activation_checkpoint.mode", "memory_budget"), '[activation_checkpoint] mode = "memory_budget"',
+                        ('"selective"', '"full"'))
     AFTER_PROCESS_GROUP_LOG = "Successfully created meshes"
 
 
@@ -462,18 +466,24 @@ def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
 
 AC_STEPS = 3  # steps 1-3 use the warm-up learning rates only: comparable with the 6-step runs
 AC_TOLERANCE = 1e-4  # relative, losses and grad norms: recomputation and unsplit backwards sum in another order
-AC_MODES = {  # torchtitan 0.2.2 overrides, and the log line that says torchtitan applied them
-    "full": (("--activation_checkpoint.mode", "full"), "Applied full activation checkpointing"),
-    "selective_op": (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
-                     "Applied selective activation checkpointing"),
-    "selective_layer": (("--activation_checkpoint.mode", "selective",
-                         "--activation_checkpoint.selective_ac_option", "2"),
-                        "Applied selective activation checkpointing"),
-}
-# The modes the GPU configs' debug-size runs below do not already cover against the runs without AC
-# (llama3_8b_dualpipev: DualPipeV with selective per-op AC).
-AC_RUNS = [("DualPipeV", "full"), ("DualPipeV", "selective_layer"),
-           ("DualPipe", "full"), ("DualPipe", "selective_op"), ("DualPipe", "selective_layer")]
+if REGISTRY:  # 0.3.0: AC policies are config classes, chosen by a subcommand (last on the command line)
+    AC_MODES = {  # overrides, and the log line that says torchtitan applied them
+        "full": (("activation-checkpoint:full",), "Applied FullAC activation checkpointing"),
+        "selective_op": (("activation-checkpoint:selective",), "Applied SelectiveAC activation checkpointing"),
+    }
+    AC_RUNS = [("DualPipeV", "full"), ("DualPipeV", "selective_op"), ("DualPipe", "full"), ("DualPipe", "selective_op")]
+else:
+    AC_MODES = {
+        "full": (("--activation_checkpoint.mode", "full"), "Applied full activation checkpointing"),
+        "selective_op": (("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                          "op"), "Applied selective activation checkpointing"),
+        "selective_layer": (("--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "2"),
+                            "Applied selective activation checkpointing"),
+    }
+    # DualPipeV with selective per-op AC runs as llama3_8b_dualpipev at debug size (below)
+    AC_RUNS = [("DualPipeV", "full"), ("DualPipeV", "selective_layer"),
+               ("DualPipe", "full"), ("DualPipe", "selective_op"), ("DualPipe", "selective_layer")]
 DEBUG_SIZE = (  # a GPU config at debug_dualpipev's size, data and optimizer: its AC and schedule kept
     "--model.flavor", "debugmodel", "--model.hf_assets_path", "titan_dualpipe/titan/assets/tokenizer",
     "--training.dataset", "titan_dualpipe_tiny", "--training.seq_len", "128", "--training.local_batch_size", "8",
@@ -490,12 +500,11 @@ def _assert_same_training(run: Run, reference: Run, reference_rank: int = 0) -> 
 
 
 @pytest.mark.titan_e2e
-@pytest.mark.skipif(REGISTRY, reason="torchtitan 0.3.0 spells AC modes as config classes; see the README")
 @pytest.mark.parametrize("schedule,mode", AC_RUNS, ids=[f"{s}-{m}" for s, m in AC_RUNS])
 def test_activation_checkpointing_trains_with_the_losses_of_no_ac(runs_dir: Path, request: pytest.FixtureRequest,
                                                                    schedule: str, mode: str) -> None:
-    """Full, selective per-op and selective per-layer AC: the same losses and grad norms as the run
-    without AC (selective AC's saved values serve one backward: its microbatches' backwards run whole)."""
+    """Full, selective per-op and (0.2.2) selective per-layer AC: the same losses and grad norms as the
+    run without AC (selective AC's saved values serve one backward: its microbatches' backwards run whole)."""
     overrides, applied = AC_MODES[mode]
     name = "debug_dualpipev" if schedule == "DualPipeV" else "debug_dualpipe"
     reference = request.getfixturevalue("dualpipev_run" if schedule == "DualPipeV" else "dualpipe_run")
@@ -634,12 +643,8 @@ def test_gpu_configs_fit_the_world_they_declare(name: str) -> None:
         ),
         (["--compile.enable", "--compile.components", "model,loss"],
          [key("compile.enable") + " = true", "pytorch#161904", key("compile.components") + ' = ["loss"]']),
-        pytest.param(
-            ["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--compile.components", "model,loss"],
-            [key("activation_checkpoint.mode") + ' = "memory_budget"', "needs the model compiled", '"selective"',
-             '"full"'],
-            marks=pytest.mark.skipif(REGISTRY, reason="0.3.0 spells AC modes as config classes"),
-        ),
+        (["--compile.enable", "--compile.components", "model,loss", *MEMORY_BUDGET_AC[0]],
+         [MEMORY_BUDGET_AC[1], "needs the model compiled", *MEMORY_BUDGET_AC[2]]),
     ],
     ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch",
          "compiled-model", "memory-budget-ac"],

@@ -91,17 +91,25 @@ def _check_compile(plan: Plan, job_config: Any) -> None:
 
 
 def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
-    """Every AC mode but ``memory_budget`` runs (checkpointed microbatches run their backward whole
-    at I, see ``runtime/split_backward.py``); memory_budget is torch.compile's partitioner, so it
-    needs a compiled model, which our split backward cannot run yet."""
-    mode = getattr(getattr(job_config, "activation_checkpoint", None), "mode", None)
-    if mode == "memory_budget":
-        raise ValueError(
-            f'{plan.schedule}: {AC_MODE_KEY} = "memory_budget" lets torch.compile choose what to recompute, so it '
-            "needs the model compiled, and compiled blocks cannot run the schedule's split backward (I, then W; "
-            f'pytorch#161904). Set {AC_MODE_KEY} = "selective" (selective_ac_option = "op", or a layer '
-            'frequency such as "2") or "full", which both run under DualPipe and DualPipeV.'
-        )
+    """Every AC mode but memory-budget runs (checkpointed microbatches run their backward whole
+    at I, see ``runtime/split_backward.py``); memory-budget AC is torch.compile's partitioner, so
+    it needs a compiled model, which our split backward cannot run yet."""
+    ac = getattr(job_config, "activation_checkpoint", None)
+    if getattr(ac, "mode", None) != "memory_budget" and type(ac).__qualname__ != "MemoryBudgetAC.Config":
+        return
+    if GEN.registry:  # 0.3.0: a config class, picked on the command line by a subcommand
+        chosen, fix = ("activation_checkpoint = MemoryBudgetAC.Config() (activation-checkpoint:memory-budget)",
+                       "use SelectiveAC.Config() or FullAC.Config() (activation-checkpoint:selective or "
+                       "activation-checkpoint:full)")
+    else:
+        chosen, fix = (f'{AC_MODE_KEY} = "memory_budget"',
+                       f'set {AC_MODE_KEY} = "selective" (selective_ac_option = "op", or a layer frequency such '
+                       'as "2") or "full"')
+    raise ValueError(
+        f"{plan.schedule}: {chosen} lets torch.compile choose what to recompute, so it needs the model compiled, "
+        "and compiled blocks cannot run the schedule's split backward (I, then W; pytorch#161904). "
+        f"{fix[0].upper() + fix[1:]}, which run under DualPipe and DualPipeV."
+    )
 
 
 def _microbatches(job_config: Any, schedule: str) -> int:
