@@ -769,3 +769,30 @@ def whole_backward_by_rule(schedule: str, pp: int, n: int) -> dict | None:
     result = train_and_compare(schedule, pp, n, group, rank, factory=factory)
     marked = [s.stage_index for s in built[0]._stages if _marked_whole(s.submod)]
     return {**result, "marked": marked, "whole_at_input": sorted(built[0].whole_backwards)}
+
+
+def _with_checkpointed_blocks(style: str):
+    """A schedule factory for :func:`numerics`: our schedule on stages whose blocks run under
+    torch's checkpoint (``style`` as in :func:`_checkpoint_layers`)."""
+
+    def factory_for(schedule: str):
+        def build(stages, n, **kwargs):
+            for stage in stages:
+                _checkpoint_layers(stage.submod, style)
+            _BUILT_WITH_CHECKPOINTS[:] = [SCHEDULES[schedule](stages, n, **kwargs)]
+            return _BUILT_WITH_CHECKPOINTS[0]
+
+        return build
+
+    return factory_for
+
+
+_BUILT_WITH_CHECKPOINTS: list = []
+RUNTIMES["ours_selective_ac"] = _with_checkpointed_blocks("selective")
+RUNTIMES["ours_mixed_ac"] = _with_checkpointed_blocks("mixed")
+
+
+def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str) -> dict | None:
+    """:func:`numerics` with FSDP2 on checkpointed blocks; also how many backwards ran whole at I."""
+    result = numerics(schedule, pp, n, fsdp=True, runtime=runtime)
+    return {**result, "whole_at_input": len(_BUILT_WITH_CHECKPOINTS[0].whole_backwards)}

@@ -263,3 +263,15 @@ def test_configuration_errors_are_value_and_runtime_errors(pool, schedule):
     assert issubclass(PipelineConfigError, ValueError) and issubclass(PipelineConfigError, RuntimeError)
     kinds = _ran(pool.run(cases.bad_stage_list, schedule=schedule, pp=2, n=4, mistake="wrong_ids", error_kind=True))
     assert kinds == ["PipelineConfigError"] * 2, kinds
+
+
+@pytest.mark.parametrize("schedule,pp,n,runtime", [
+    ("DualPipeV", 2, 5, "ours_selective_ac"), ("DualPipe", 2, 4, "ours_mixed_ac"),  # 2 (pp) x 2 (dp) mesh
+    ("DualPipeV", 4, 8, "ours_mixed_ac"),  # 4 x 1
+])
+def test_checkpointed_blocks_with_fsdp2(pool, schedule, pp, n, runtime):
+    """Checkpointed blocks (selective AC; selective / full / none in turn) inside nested fully_shard:
+    every loss and gradient equal the reference without AC on every rank."""
+    ran = _ran(pool.run(cases.checkpointed_fsdp_numerics, schedule=schedule, pp=pp, n=n, runtime=runtime))
+    assert len(ran) == WORLD and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(r["whole_at_input"] for r in ran) > 0, ran
