@@ -1015,17 +1015,19 @@ def test_moe_twin_expert_counts_summed(tmp_path: Path) -> None:
 def _count_exchange_worker(rank: int, init_file: str, results) -> None:
     """torchtitan's own token dispatch (0.2.2: ``ExpertParallel._token_dispatch``; 0.3.0:
     ``AllToAllTokenDispatcher.dispatch``) as the forward half of a relayed pair on 2 EP ranks,
-    with its collectives logged in order next to the partner half's turns."""
+    with its collectives logged in order next to the partner half's turns: once as our schedules
+    run it, once with the bench's comparison hand-over at the count exchange."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from titan_dualpipe.overlap.comm import emulate_relayed_exchanges
     from titan_dualpipe.overlap.relay import hand_over, run_relayed
     from titan_dualpipe.titan import GEN, expert_overlap
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    expert_overlap.install()
+    expert_overlap.install(count_exchange=True)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     log: list[str] = []
     ops = {"all_to_all_single": "post", "wait_tensor": "wait"}
@@ -1062,21 +1064,25 @@ def _count_exchange_worker(rank: int, init_file: str, results) -> None:
             log.append(f"B{turn}")
             hand_over()
 
-    run_relayed(forward, backward)
-    results[rank] = log
+    for hand_over_counts in (False, True):
+        emulate_relayed_exchanges(0.0).count_hand_over = hand_over_counts
+        run_relayed(forward, backward)
+        results[(rank, hand_over_counts)] = log[:]
+        log.clear()
+    emulate_relayed_exchanges(None)
     dist.destroy_process_group()
 
 
-def test_token_count_exchange_hands_over_between_posting_and_reading(tmp_path: Path) -> None:
-    """The count all-to-all is posted, the partner half computes, then the counts are read; then
-    the same for the token exchange. Without the hand-over the counts are read at once, with the
-    partner's exchange on the same communicator possibly still in flight."""
+def test_token_count_exchange_is_read_at_once_and_the_bench_can_hand_over_there(tmp_path: Path) -> None:
+    """As torchtitan does, the count all-to-all is posted and read before the token exchange
+    hands over to the partner half; bench titan's comparison run hands over in between."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
     mp.spawn(_count_exchange_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     for rank in (0, 1):
-        assert results[rank][:6] == ["post", "B0", "wait", "post", "B1", "wait"], results[rank]
+        assert results[(rank, False)][:5] == ["post", "wait", "post", "B0", "wait"], results[(rank, False)]
+        assert results[(rank, True)][:6] == ["post", "B0", "wait", "post", "B1", "wait"], results[(rank, True)]
 
 
 def test_folded_rank_map_puts_twins_side_by_side() -> None:

@@ -18,8 +18,9 @@ and each of a block's four exchanges (dispatch and combine, forward and backward
 torch's own ``ScheduleDualPipeV`` is the name ``TorchDualPipeV`` here (ours took "DualPipeV");
 it runs its overlapped pairs one after the other. The emulated network runs a group's exchanges
 in order, and a token-count exchange (a few integers) costs no time of its own: reading the
-counts waits only for the exchanges posted before it on the group. ``... counts read at once``
-(on request) reads them right after posting, without the hand-over our schedules make there.
+counts, right after posting them as torchtitan does, waits only for the exchanges posted before
+it on the group. ``... counts handed over`` (on request) hands over to the partner half between
+posting and reading them, for comparison (:mod:`titan_dualpipe.titan.expert_overlap`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record;
 EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all
 CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold)
-COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "0": token counts read right after posting
+COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "1": hand over between posting token counts and reading them
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Variant:
     schedule: str
     overlap: bool | None = None  # None: the config's own setting (torch's schedules ignore it)
     fold_twins: bool = True
-    count_hand_over: bool = True  # False: the token-count exchange is read at once, no hand-over
+    count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
 
 
 VARIANTS = (
@@ -69,11 +70,11 @@ VARIANTS = (
     Variant("DualPipe", "DualPipe", overlap=True),
     Variant("DualPipe sequential", "DualPipe", overlap=False),
     Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
-    Variant("DualPipeV counts read at once", "DualPipeV", overlap=True, count_hand_over=False),
-    Variant("DualPipe counts read at once", "DualPipe", overlap=True, count_hand_over=False),
+    Variant("DualPipeV counts handed over", "DualPipeV", overlap=True, count_hand_over=True),
+    Variant("DualPipe counts handed over", "DualPipe", overlap=True, count_hand_over=True),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
-DEFAULT_LABELS = [v.label for v in VARIANTS if v.count_hand_over]  # the others are comparison runs, on request
+DEFAULT_LABELS = [v.label for v in VARIANTS if not v.count_hand_over]  # the others are comparison runs, on request
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 
 
@@ -85,7 +86,7 @@ OPTIONS: dict[str, dict] = {
     "--steps": dict(type=int, default=8, help="training steps per run"),
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
-                        help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts read at once')"),
+                        help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over')"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
     "--json": dict(action="store_true", default=False, help="print JSON instead of a table"),
 }

@@ -255,7 +255,7 @@ class _RelayedAllToAllSingle(torch.autograd.Function):
 
 @dataclass
 class RelayedExchangeCost:
-    """Emulated network for :func:`relayed_all_to_all_single` and :func:`relayed_count_exchange`
+    """Emulated network for :func:`relayed_all_to_all_single` and :func:`count_exchange`
     (CPU): a token exchange is ready ``seconds`` after it was posted at the earliest, a count
     exchange (a few integers) at once; both not before every exchange posted earlier on the same
     group (a communicator runs its collectives in order, as NCCL does on its stream). ``stats``
@@ -264,7 +264,7 @@ class RelayedExchangeCost:
 
     seconds: float = 0.0
     stats: CommStats = field(default_factory=CommStats)
-    count_hand_over: bool = True  # False: a count exchange is read at once (bench's comparison run)
+    count_hand_over: bool = False  # True: hand over between posting a count exchange and reading it (comparison run)
     _group_ready_at: dict = field(default_factory=dict)
 
     def ready_at(self, group: Any, earliest: float) -> float:
@@ -300,18 +300,20 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
     return cost.stats.wait_until(ready_at, lambda: wait_collective(pending))
 
 
-def relayed_count_exchange(post: Callable[[], T], group: Any) -> T:
-    """``post()`` (an expert-parallel token-count exchange on ``group``, the caller reads its
-    result later), then a hand-over to the partner half of a relayed pair, so that neither the
-    exchange nor the host read of the counts that follows blocks this half while the partner's
-    exchange on the same group is still in flight. Returns ``post()``'s result."""
+def count_exchange(post: Callable[[], T], group: Any) -> T:
+    """``post()`` (an expert-parallel token-count exchange on ``group``, which the caller reads
+    right after) as the emulated network sees it: ready no earlier than the exchanges posted before
+    it on ``group``, the wait counted as exposed; with ``count_hand_over`` (a comparison run) a
+    hand-over to the partner half comes between posting and that wait. Without an emulated
+    network, ``post()`` alone. Returns ``post()``'s result."""
     cost = _RELAYED_COST
     posted = post()
-    ready_at = None if cost is None else cost.ready_at(group, time.perf_counter())
-    if cost is None or cost.count_hand_over:
+    if cost is None:
+        return posted
+    ready_at = cost.ready_at(group, time.perf_counter())
+    if cost.count_hand_over:
         hand_over()
-    if cost is not None:
-        cost.stats.wait_until(ready_at, lambda: None)
+    cost.stats.wait_until(ready_at, lambda: None)
     return posted
 
 

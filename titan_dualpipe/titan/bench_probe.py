@@ -140,10 +140,10 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
     if exchange_s > 0 and torch.cuda.is_available():
         raise ValueError(f"the emulated network ({EXCHANGE_S_ENV}={exchange_s}) is for CPU runs: on GPUs the "
                          "exchanges cross the real network; run the bench with --comm-ratio 0")
-    expert_overlap.install()
+    expert_overlap.install(count_exchange=True)
     cost = emulate_relayed_exchanges(exchange_s)
     if cost is not None:
-        cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "1") != "0"
+        cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "0") == "1"
     record, clock = _Record(), _PhaseClock()
 
     for trainer_class in trainer_classes():

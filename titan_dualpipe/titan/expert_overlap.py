@@ -18,17 +18,17 @@ unchanged (:mod:`titan_dualpipe.overlap.relay`).
   thread without that state the trainer's meshes.
 
 Before the token exchange, each rank's per-expert token counts go to its peers in an
-all-to-all that the dispatch then reads on the host. Read right after posting, that read
-blocks the running half until the exchange is done, and on one communicator that means until
-the partner half's token exchange, posted earlier, is done too (on GPUs, a host sync with the
-partner's exchange in flight). So the count exchange is a hand-over point as well
-(:func:`~titan_dualpipe.overlap.comm.relayed_count_exchange`): posted, then the partner
-computes, then it is read.
-
-- 0.2.2: ``ExpertParallel._token_dispatch`` posts it with ``all_to_all_single`` (looked up
-  in that module at call time) and waits on it at once.
-- 0.3.0: ``AllToAllTokenDispatcher._token_count_exchange`` posts it;
-  ``_sync_token_count_exchange`` waits and reads.
+all-to-all that the dispatch reads on the host at once (0.2.2: ``ExpertParallel``'s
+``all_to_all_single`` then ``wait_tensor``; 0.3.0: ``_token_count_exchange`` then
+``_sync_token_count_exchange``). On one communicator that read waits for the partner half's
+token exchange posted before it. It stays torchtitan's: a hand-over between posting and
+reading was built and measured (``bench titan``'s ``... counts handed over``) and leaves more
+exposed, not less. The partner half's next step is to wait for that same exchange, so the
+hand-over only moves the wait to the partner, and the partner then hands back after posting its
+next exchange with almost no compute of this half left to cover it (this half's token exchange
+follows its count read at once). ``install(count_exchange=True)`` (bench runs) routes the count
+exchange through :func:`~titan_dualpipe.overlap.comm.count_exchange`, where the emulated network
+charges it and the comparison runs hand over.
 
 DeepEP / HybridEP dispatch has its own communication and is left as it is.
 """
@@ -57,18 +57,19 @@ def _combine_token_exchange(self: Any, routed: torch.Tensor, pg: Any, input_spli
     return relayed_all_to_all_single(routed, input_splits, output_splits, pg)
 
 
-def _count_exchange_hands_over(post: Callable[..., Any], group_of: Callable[..., Any]) -> Callable[..., Any]:
-    """``post`` (a count exchange poster) followed by a hand-over; ``group_of(*args)`` names its group."""
+def _through_count_exchange(post: Callable[..., Any], group_of: Callable[..., Any]) -> Callable[..., Any]:
+    """``post`` (torchtitan's count-exchange poster) through :func:`..overlap.comm.count_exchange`;
+    ``group_of(*args)`` names its group."""
     if getattr(post, "_titan_dualpipe", False):
         return post
 
-    def posted_then_handed_over(*args: Any, **kwargs: Any) -> Any:
-        from ..overlap.comm import relayed_count_exchange
+    def posted(*args: Any, **kwargs: Any) -> Any:
+        from ..overlap.comm import count_exchange
 
-        return relayed_count_exchange(lambda: post(*args, **kwargs), group_of(*args, **kwargs))
+        return count_exchange(lambda: post(*args, **kwargs), group_of(*args, **kwargs))
 
-    posted_then_handed_over._titan_dualpipe = True  # type: ignore[attr-defined]
-    return posted_then_handed_over
+    posted._titan_dualpipe = True  # type: ignore[attr-defined]
+    return posted
 
 
 class TrainerMeshes(threading.local):
@@ -101,15 +102,17 @@ def _share_meshes_with_the_relay() -> None:
         spmd_types.set_spmd_meshes = _recording(spmd_types.set_spmd_meshes)
 
 
-def install() -> None:
-    """Route torchtitan's expert-parallel all-to-all through the relay (idempotent)."""
+def install(*, count_exchange: bool = False) -> None:
+    """Route torchtitan's expert-parallel all-to-all through the relay (idempotent); with
+    ``count_exchange`` (bench runs) its token-count exchange through ``comm.count_exchange`` too."""
     if GEN.registry:
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
         AllToAllTokenDispatcher._dispatch_token_exchange = _dispatch_token_exchange
         AllToAllTokenDispatcher._combine_token_exchange = _combine_token_exchange
-        AllToAllTokenDispatcher._token_count_exchange = _count_exchange_hands_over(
-            AllToAllTokenDispatcher._token_count_exchange, lambda self, counts, pg, ep_size: pg)
+        if count_exchange:
+            AllToAllTokenDispatcher._token_count_exchange = _through_count_exchange(
+                AllToAllTokenDispatcher._token_count_exchange, lambda self, counts, pg, ep_size: pg)
         _share_meshes_with_the_relay()
         return
     from torchtitan.distributed import expert_parallel
@@ -117,5 +120,6 @@ def install() -> None:
     from ..overlap.comm import relayed_all_to_all_single
 
     expert_parallel.all_to_all_single_autograd = relayed_all_to_all_single
-    expert_parallel.all_to_all_single = _count_exchange_hands_over(
-        expert_parallel.all_to_all_single, lambda x, output_splits, input_splits, group, *_: group)
+    if count_exchange:
+        expert_parallel.all_to_all_single = _through_count_exchange(
+            expert_parallel.all_to_all_single, lambda x, output_splits, input_splits, group, *_: group)
