@@ -10,6 +10,10 @@ user's own), on 0.3.0 whichever ``--module`` holds the config.
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
+
 
 def main() -> None:
     import torchtitan.train as titan_train
@@ -20,6 +24,20 @@ def main() -> None:
         titan_train.main()
     else:
         titan_train.main(titan_train.Trainer)
+    _leave_finished_run()
+
+
+def _leave_finished_run() -> None:
+    """End a run that trained, saved and destroyed its process groups, skipping interpreter
+    teardown. Tearing down with torch's communication threads still alive has aborted
+    finished runs ("terminate called without an active exception" after torchtitan's
+    "Process group destroyed", torch 2.14.1 with gloo), which torchrun reports as a failed
+    job. Exit handlers (logging's flush among them) still run; an error raised by training
+    never gets here and exits as usual."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
