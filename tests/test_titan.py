@@ -389,6 +389,24 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
 
 
 @pytest.mark.titan_e2e
+def test_dualpipe_under_tensor_parallel_swaps_loss_parallel_losses(runs_dir: Path) -> None:
+    """pp=2 x TP 2 on 4 processes, with loss parallel (torchtitan's default once TP > 1): each
+    loss is a DTensor, and DualPipe's two loss ranks swap their halves of them. Same losses and
+    grad norms as 1F1B on the same layout (same weights at start); 1F1B logs them on the last
+    pipeline rank's processes (global 2 and 3), ours on every rank."""
+    steps = 4
+    tensor_parallel = ("--parallelism.tensor_parallel_degree", "2")
+    ours = _ok(train("debug_dualpipe", runs_dir / "tp_dualpipe", *tensor_parallel, nproc=4, steps=steps))
+    reference = _ok(train("debug_dualpipe", runs_dir / "tp_1f1b", *tensor_parallel,
+                          "--parallelism.pipeline_parallel_schedule", "1F1B", nproc=4, steps=steps))
+    assert sorted(ours.logged()) == [0, 1, 2, 3]
+    _assert_trains(ours.losses(), steps)
+    for rank in range(4):
+        _assert_close(ours.losses(rank), reference.losses(rank=2), rel=1e-4)
+        _assert_close(ours.grad_norms(rank), reference.grad_norms(rank=2), rel=1e-4)
+
+
+@pytest.mark.titan_e2e
 def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -> None:
     """The same model under DualPipeV with full activation checkpointing (the backward half
     recomputes each block's exchanges): it trains and every rank's pairs switch halves at

@@ -1,10 +1,26 @@
 """Swap tensors with one peer rank: the exchange DualPipe's twins, its losses and its MoE
-expert counts are built on."""
+expert counts are built on. DTensors (FSDP2 and tensor-parallel parameters and grads, losses
+under loss parallel) travel as their local shards: both peers hold the same layout, so shard
+``k`` of one meets shard ``k`` of the other, and :func:`with_layout_of` rewraps what arrives."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def with_layout_of(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with ``template``'s mesh and placements where ``template`` is one."""
+    if hasattr(template, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False)
+    return local
 
 
 def swap(send: list[torch.Tensor], recv_like: list[torch.Tensor], peer: int,

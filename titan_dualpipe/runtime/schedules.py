@@ -33,7 +33,7 @@ from .errors import PipelineConfigError
 from .executor import StepExecutor
 from .failures import schedule_scope, step_scope
 from .fsdp import unshard_all
-from .p2p import swap
+from .p2p import local_tensor, swap, with_layout_of
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
@@ -388,9 +388,10 @@ class ScheduleDualPipe(_DualPipeFamily):
         peer = dist.get_global_rank(self._group, other_end) if self._group is not None else other_end
         own_mbs = sorted(mine)
         other_mbs = [mb for mb in range(self._n_microbatches) if mb not in mine]
-        sent = torch.stack([mine[mb].detach() for mb in own_mbs])
+        sent = torch.stack([local_tensor(mine[mb]).detach() for mb in own_mbs])  # DTensor under loss parallel
         (received,) = swap([sent], [sent], peer, self._group)
-        return {**mine, **dict(zip(other_mbs, received.unbind()))}
+        layout = mine[own_mbs[0]]
+        return {**mine, **{mb: with_layout_of(layout, loss) for mb, loss in zip(other_mbs, received.unbind())}}
 
     def _vote_inference_mode(self, stages, has_backward, p2p_done) -> None:
         """Metadata-inference mode agreed by all ranks (torch 2.13+; torch's vote assumes a single chain)."""

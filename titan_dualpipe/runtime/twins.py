@@ -17,12 +17,7 @@ from torch import nn
 from .._compat import fsdp_data_parallel_sizes, fsdp_gradient_divide_factors, fsdp_shard_group_ranks
 from .errors import PipelineConfigError
 from .fsdp import fsdp_modules
-from .p2p import swap_into
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters and grads), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from .p2p import local_tensor, swap_into, with_layout_of
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -102,21 +97,13 @@ def sum_twin_grads(
     """Add the twin rank's gradients to ours (missing grads count as zero)."""
     params = [p for p in _params_by_part(modules_by_part) if p.requires_grad]
     grads = [
-        _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach()))
+        local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.detach()))
         for p in params
     ]
     for p, grad, theirs in zip(params, grads, _exchange(grads, grads, peer, group)):
         grad.add_(theirs)
         if p.grad is None:
-            p.grad = _wrap_like(p, grad)
-
-
-def _wrap_like(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
-    if hasattr(param, "to_local"):  # DTensor parameter: grad must be a DTensor with its layout
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False)
-    return local_grad
+            p.grad = with_layout_of(p, grad)  # a DTensor parameter's grad has its layout
 
 
 @torch.no_grad()
@@ -130,8 +117,8 @@ def copy_to_twin(
     """
     for module in (source, target):  # FSDP2: copy between shards; a gathered copy would go stale
         _reshard(module)
-    mine = [_local(p) for p in source.parameters()]
-    dest = [_local(p) for p in target.parameters()]
+    mine = [local_tensor(p) for p in source.parameters()]
+    dest = [local_tensor(p) for p in target.parameters()]
     _check_same_part(mine, dest, peer, group, device)
     for t, theirs in zip(dest, _exchange(mine, dest, peer, group)):
         t.copy_(theirs)
