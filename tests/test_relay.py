@@ -128,3 +128,93 @@ def test_autograd_backward_pauses_at_a_hand_over_inside_a_node():
     run_relayed(forward, lambda: loss.backward())
     assert log == ["F: before", "B: node reached", "F: after", "B: node resumed"]
     assert torch.equal(w.grad, want)
+
+
+class _HandOver(torch.nn.Module):
+    """Hands over mid-block: mid-forward in the forward half, mid-recompute in the backward half."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hand_over()
+        return x
+
+
+class _CheckpointedDropoutBlocks(torch.nn.Module):
+    def __init__(self, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), _HandOver(), torch.nn.Dropout(0.5), torch.nn.Tanh())
+            for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # preserve_rng_state by default
+        return x
+
+
+def _dropout_pair(relayed: bool) -> dict:
+    """One pair: the forward of one stage module, the backward of another's earlier microbatch
+    (as in DualPipe); then the forward half's own backward, whose recompute checks its masks."""
+    torch.manual_seed(0)
+    forward_stage, backward_stage = _CheckpointedDropoutBlocks(), _CheckpointedDropoutBlocks()
+    backward_loss = backward_stage(torch.randn(8, 16)).square().mean()  # before the pair
+    x = torch.randn(8, 16)
+    got: dict = {}
+
+    def forward_half() -> None:
+        got["output"] = forward_stage(x)
+
+    def backward_half() -> None:
+        backward_loss.backward()
+
+    if relayed:
+        got["hand_overs"] = run_relayed(forward_half, backward_half).hand_overs
+    else:
+        forward_half()
+        backward_half()
+    got["rng_after_pair"] = torch.get_rng_state()
+    got["output"].square().mean().backward()
+    got["grads"] = [p.grad for p in [*forward_stage.parameters(), *backward_stage.parameters()]]
+    return got
+
+
+def test_checkpointed_dropout_under_the_relay_is_bitwise_equal_to_sequential_halves():
+    """Each half draws from its own generator stream: a hand-over mid-recompute neither feeds the
+    forward half the recompute's state nor lets the recompute's restore undo the forward's draws."""
+    sequential, relayed = _dropout_pair(relayed=False), _dropout_pair(relayed=True)
+    assert relayed["hand_overs"] == 6  # every block of both halves hands over
+    assert torch.equal(relayed["output"], sequential["output"])
+    assert torch.equal(relayed["rng_after_pair"], sequential["rng_after_pair"])
+    assert all(torch.equal(r, s) for r, s in zip(relayed["grads"], sequential["grads"], strict=True))
+
+
+def test_an_initialized_accelerators_generators_are_switched_per_half_too(monkeypatch):
+    """The per-device generators (CUDA's, here a stand-in module) follow the halves like CPU's."""
+    device_generator = torch.Generator()
+
+    class Accelerator:
+        default_generators = (device_generator,)
+
+        @staticmethod
+        def is_initialized() -> bool:
+            return True
+
+    monkeypatch.setattr(relay, "_accelerator_module", lambda: Accelerator)
+    draws: dict = {}
+
+    def forward() -> None:
+        draws["F"] = [torch.rand(4, generator=device_generator)]
+        hand_over()
+        draws["F"].append(torch.rand(4, generator=device_generator))
+
+    def backward() -> None:
+        draws["B"] = torch.rand(4, generator=device_generator)  # from the forward's state at the hand-over
+        hand_over()
+
+    device_generator.manual_seed(1)
+    want = [torch.rand(4, generator=device_generator) for _ in range(2)]
+    want_end = device_generator.get_state()
+    device_generator.manual_seed(1)
+    assert run_relayed(forward, backward).hand_overs == 2
+    assert all(torch.equal(got, w) for got, w in zip(draws["F"], want, strict=True))
+    assert torch.equal(draws["B"], want[1])  # documented: it repeats the forward's later draws
+    assert torch.equal(device_generator.get_state(), want_end)  # the pair ends where the forward ended

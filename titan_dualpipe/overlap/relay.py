@@ -29,15 +29,34 @@ Threads: torch runs a CPU backward on the thread that calls it; with an accelera
 autograd work runs on its device threads, so any thread other than the forward's counts
 as the backward half. Grad mode and the accelerator's current device and stream are
 copied to the helper thread.
+
+Random numbers: torch's generators (CPU's, and the accelerator's per device once it is
+initialized) are process-wide, not per thread, so each hand-over parks the running half's
+generator states and resumes its partner's: each half draws from a stream of its own. The
+forward half's stream is the one the pair starts with, carried across its hand-overs, so it
+draws exactly what it draws alone, first; the pair leaves the generators where the forward
+half ended. The backward half's stream starts from the forward's state at the first
+hand-over. A checkpointed block's recompute (``preserve_rng_state``, torch's default) sets
+the state its forward saved and puts the outer state back after it, so it draws its
+forward's dropout masks even across a hand-over. The relay is bitwise equal to the forward,
+then the backward, when the backward half's draws come only from such restored states (or
+it draws nothing): sequentially it would leave the generators where the forward ended,
+too. Draws a backward half takes from the stream itself (recompute without
+``preserve_rng_state``, say) are deterministic but not those of the sequential order (they
+repeat the forward's later draws), and the pair's end drops them. A forward that never
+hands over runs its backward after it on one stream: sequential exactly.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from types import ModuleType
 from typing import Callable
 
 import torch
+
+_RngStates = list[tuple[torch.Generator, torch.Tensor]]
 
 FORWARD, BACKWARD = 0, 1
 _HALF_NAMES = ("forward", "backward")
@@ -59,6 +78,8 @@ class Relay:
         self._ended = [False, False]
         self._errors: list[BaseException] = []  # in the order they were raised
         self.hand_overs = 0  # switches to a running partner, for tests and tracing
+        self._accelerator = _accelerator_module()
+        self._rng: list[_RngStates | None] = [None, None]  # each half's parked generator states
 
     def _half(self) -> int:
         return FORWARD if threading.get_ident() == self._forward_thread else BACKWARD
@@ -73,6 +94,7 @@ class Relay:
             if not self.backward_started:  # the forward's first hand-over starts the backward half
                 self.backward_started = True
                 self._start_backward()
+            self._switch_rng(me, other)
             self._turn = other
             self.hand_overs += 1
             self._cond.notify_all()
@@ -83,12 +105,30 @@ class Relay:
         if self._errors:  # only a half that ended records an error: the partner
             raise PartnerFailed(f"the {_HALF_NAMES[1 - me]} half of this pair raised; the {_HALF_NAMES[me]} half stops")
 
+    def _switch_rng(self, me: int, other: int) -> None:
+        """Park this half's generator states and resume the partner's (a backward half that
+        has not run yet starts from the forward's states: nothing to set)."""
+        self._rng[me] = _rng_states(self._accelerator)
+        if self._rng[other] is not None:
+            _set_rng_states(self._rng[other])
+
+    def _rng_at_end(self, half: int) -> None:
+        """Leave the generators to the half that goes on, or where the forward ended."""
+        if half == FORWARD:
+            self._rng[FORWARD] = _rng_states(self._accelerator)
+            if not self._ended[BACKWARD]:
+                _set_rng_states(self._rng[BACKWARD])
+        elif self._rng[FORWARD] is not None:
+            _set_rng_states(self._rng[FORWARD])
+
     def wait_turn(self, half: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._turn == half)
 
     def end(self, half: int, error: BaseException | None) -> None:
         with self._cond:
+            if self.backward_started:  # else one stream, as sequential: nothing to switch
+                self._rng_at_end(half)
             self._ended[half] = True
             if error is not None and not isinstance(error, PartnerFailed):
                 self._errors.append(error)
@@ -196,7 +236,7 @@ def _thread_state() -> Callable[[], None]:
     grad_enabled = torch.is_grad_enabled()
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     stream = None
-    if accelerator is not None and accelerator.type != "cpu" and _initialized(accelerator.type):
+    if accelerator is not None and accelerator.type != "cpu" and _initialized(getattr(torch, accelerator.type, None)):
         stream = torch.accelerator.current_stream()
 
     def enter() -> None:
@@ -208,7 +248,28 @@ def _thread_state() -> Callable[[], None]:
     return enter
 
 
-def _initialized(device_type: str) -> bool:
-    module = getattr(torch, device_type, None)
+def _accelerator_module() -> ModuleType | None:
+    """torch's module for the accelerator (``torch.cuda``), None on a CPU-only machine."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None or accelerator.type == "cpu":
+        return None
+    return getattr(torch, accelerator.type, None)
+
+
+def _rng_states(accelerator: ModuleType | None) -> _RngStates:
+    """The process-wide generators' states: CPU's, and each of the accelerator's devices'
+    once it is initialized (a CPU-only run never initializes it here)."""
+    generators = [torch.default_generator]
+    if _initialized(accelerator):
+        generators += getattr(accelerator, "default_generators", ())
+    return [(generator, generator.get_state()) for generator in generators]
+
+
+def _set_rng_states(states: _RngStates) -> None:
+    for generator, state in states:
+        generator.set_state(state)
+
+
+def _initialized(module: ModuleType | None) -> bool:
     is_initialized = getattr(module, "is_initialized", None)
     return bool(is_initialized()) if callable(is_initialized) else False
