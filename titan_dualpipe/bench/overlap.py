@@ -23,7 +23,9 @@ steps of every schedule in a rotated order; medians over rounds are reported. Ex
 communication is the time spent blocked in all-to-all waits (on a GPU: the compute stream's
 stall, from CUDA events), per step, averaged over ranks. The CPU bound is all processes' CPU
 seconds per step over the usable cores: no schedule finishes a step sooner on this machine
-(CPU runs only).
+(CPU runs only). Every run charges the same exchanges, forward and backward (printed per step,
+all ranks). With ``--device cuda`` the default sizes are larger (dim 1024, seq 1024), so that
+a block's kernels, not their launches, take the time, and the figures name the GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from .model import lm_loss
 from .spawn import run_on_processes
 
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
+# --dim / --seq when not given: a GPU needs blocks large enough to be compute-bound, not launch-bound.
+DEFAULT_SIZES = {"cpu": {"dim": 64, "seq": 32}, "cuda": {"dim": 1024, "seq": 1024}}
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -59,8 +63,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1, help="timed steps per schedule per round")
     p.add_argument("--microbatches", type=int, default=24, help="per step, >= 2 * pp")
     p.add_argument("--layers", type=int, default=4, help="MoE blocks, split over 2 * pp stages")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--dim", type=int, default=None, help="model dim (default: 64 on cpu, 1024 on cuda)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 32 on cpu, 1024 on cuda)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--comm-ratio", type=float, default=1.0,
                    help="calibrated cost of a block's four exchanges / its compute")
@@ -227,9 +231,9 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
 
 
 def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelComm,
-                 modules: Callable[[], list]) -> tuple[float, float, float]:
+                 modules: Callable[[], list]) -> tuple[float, float, float, list[float]]:
     """Per step on this rank: seconds, seconds blocked in all-to-all waits, CPU seconds
-    (all threads of the process, gloo's included)."""
+    (all threads of the process, gloo's included), exchanges charged [forward, backward]."""
     device = x.device
     _sync(device)
     dist.barrier()
@@ -241,8 +245,9 @@ def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelCo
             m.zero_grad(set_to_none=True)
     _sync(device)
     waited, cpu = comm.stats.collect(), time.process_time() - cpu_start
+    charged = [comm.stats.charged_forward / steps, comm.stats.charged_backward / steps]
     dist.barrier()
-    return (time.perf_counter() - start) / steps, waited / steps, cpu / steps
+    return (time.perf_counter() - start) / steps, waited / steps, cpu / steps, charged
 
 
 def _worker(cfg: dict) -> dict:
@@ -250,6 +255,7 @@ def _worker(cfg: dict) -> dict:
     comm = ExpertParallelComm(ep_group)
     net, settings = _network(cfg, comm)
     comm.network = net
+    comm.stats.timing = True  # GPU stalls timed per exchange; each _timed_steps drains them
     n = cfg["microbatches"]
     g = torch.Generator().manual_seed(1 + ep_index)  # each pipeline its own data shard
     x = torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g).to(_device())
@@ -265,13 +271,16 @@ def _worker(cfg: dict) -> dict:
     step_s: dict[str, list[float]] = {name: [] for name in names}
     exposed: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
+    charged: dict[str, list[float]] = {}  # the same every round
     for r in range(cfg["rounds"]):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            t, w, c = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name))
+            t, w, c, charged[name] = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name))
             step_s[name].append(t)
             exposed[name].append(w)
             cpu[name].append(c)
     device = _device()
+    charged_total = torch.tensor([charged[name] for name in names], dtype=torch.float64, device=device)
+    dist.all_reduce(charged_total)
     exposed_mean = torch.tensor([statistics.median(exposed[name]) for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(exposed_mean)
     exposed_mean /= dist.get_world_size()
@@ -279,7 +288,9 @@ def _worker(cfg: dict) -> dict:
     dist.all_reduce(cpu_total)
     return {"step_time": {name: statistics.median(step_s[name]) for name in names},
             "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)),
-            "cpu_seconds": dict(zip(names, cpu_total.tolist(), strict=True)), "network": settings}
+            "cpu_seconds": dict(zip(names, cpu_total.tolist(), strict=True)),
+            "charged": dict(zip(names, charged_total.tolist(), strict=True)), "network": settings,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -289,6 +300,8 @@ def measure(cfg: dict) -> dict:
     raw = run_on_processes(_worker, world, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo")
     result = {f"step_time_{name}": raw["step_time"][name] for name in raw["step_time"]}
     result.update({f"exposed_comm_{name}": raw["exposed_comm"][name] for name in raw["exposed_comm"]})
+    for name, (forward, backward) in raw["charged"].items():  # per step, all ranks
+        result[f"charged_forward_{name}"], result[f"charged_backward_{name}"] = forward, backward
     if cfg["device"] == "cpu":  # no schedule can finish a step before the cores did all its CPU work
         cores = min(len(os.sched_getaffinity(0)), world)
         result.update({f"cpu_bound_{name}": raw["cpu_seconds"][name] / cores for name in raw["cpu_seconds"]})
@@ -300,6 +313,8 @@ def measure(cfg: dict) -> dict:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
                                                     / result["step_time_dualpipe_sequential"])
     result["network"] = raw["network"]
+    if raw["gpu"] is not None:
+        result["gpu"] = raw["gpu"]
     result["config"] = cfg
     return result
 
@@ -308,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
     keys = ("pp", "ep", "device", "rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio",
             "latency_ms", "bandwidth_gbps", "dualpipe", "relay")
     cfg = {k: getattr(args, k) for k in keys}
+    for name, size in DEFAULT_SIZES[cfg["device"]].items():
+        cfg[name] = size if cfg[name] is None else cfg[name]
     result = measure(cfg)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -315,20 +332,32 @@ def run(args: argparse.Namespace) -> int:
     net = result["network"]
     how = (f"calibrated: block forward+backward {net['block_compute_ms']:.2f} ms, comm ratio {net['comm_ratio']}"
            if net["block_compute_ms"] is not None else "set on the command line")
-    print(f"pp={cfg['pp']} x ep={cfg['ep']} {'GPU' if cfg['device'] == 'cuda' else 'CPU'} processes, "
+    where = f"GPU processes ({result['gpu']})" if "gpu" in result else "CPU processes"
+    print(f"pp={cfg['pp']} x ep={cfg['ep']} {where}, "
           f"{cfg['microbatches']} microbatches, {cfg['layers']} MoE blocks "
           f"(dim {cfg['dim']}, {cfg['experts']} experts, top-2), seq {cfg['seq']}; "
           f"median of {cfg['rounds']} paired rounds x {cfg['steps']} steps")
     print(f"emulated network ({how}): latency {net['latency_ms']:.3f} ms, bandwidth {net['bandwidth_gbps']:.4f} GB/s "
           f"-> {net['exchange_ms']:.2f} ms per all-to-all ({net['exchange_remote_bytes']} remote bytes)")
-    cpu = cfg["device"] == "cpu"
-    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}" + (f"{'CPU bound s/step':>19}" if cpu else ""))
-    for key in [k for k in result if k.startswith("step_time_")]:
-        name = key[len("step_time_"):]
-        print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
-              + (f"{result['cpu_bound_' + name]:>19.4f}" if cpu else ""))
-    if cpu:
-        print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")
+    _print_table(result, cpu=cfg["device"] == "cpu")
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     return 0
+
+
+def _print_table(result: dict, cpu: bool) -> None:
+    """One row per run: step time, exposed comm, CPU bound (CPU runs), exchanges charged."""
+    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}" + (f"{'CPU bound s/step':>19}" if cpu else "")
+          + f"{'exchanges fwd+bwd/step':>25}")
+    charged = set()
+    for key in [k for k in result if k.startswith("step_time_")]:
+        name = key[len("step_time_"):]
+        exchanges = f"{result['charged_forward_' + name]:g}+{result['charged_backward_' + name]:g}"
+        charged.add(exchanges)
+        print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
+              + (f"{result['cpu_bound_' + name]:>19.4f}" if cpu else "") + f"{exchanges:>25}")
+    # Equal counts: every run paid the emulated network for the same exchanges (equal work).
+    print("exchanges: all-to-alls charged by the emulated network per step, all ranks; "
+          + ("the same in every run" if len(charged) == 1 else "NOT the same in every run: unequal work"))
+    if cpu:
+        print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")

@@ -5,7 +5,9 @@ cost, and :func:`relayed_all_to_all_single` for any module.
 process group and returns a :class:`PendingAllToAll`; the exchange is autograd-aware (its
 backward is the reverse all-to-all, which for equal splits is the same exchange), so a
 plain ``module(x)`` + ``loss.backward()`` works. The overlapped path instead waits the
-handle at a moment of its choosing, computing something else in between.
+handle at a moment of its choosing, computing something else in between. With no group (one
+rank) the data stays; with an emulated network the exchange still costs its time, forward
+and backward alike, so every path pays for the same exchanges.
 
 :class:`EmulatedNetwork` makes every exchange cost ``latency + remote bytes / bandwidth``
 (the local share never crosses a network). On the CPU the cost is paid in ``wait()`` by
@@ -14,7 +16,8 @@ computes between post and wait. On a GPU it is a sleep kernel of that length on 
 stream (:class:`GpuDelay`, standing in for NCCL's stream), after which the real exchange
 (if any) is posted; ``wait()`` makes the compute stream wait, so the partner half's kernels
 run meanwhile. :class:`CommStats` adds up the time spent waiting (on a GPU: the time the
-compute stream stalled, from CUDA events): the communication left exposed.
+compute stream stalled, from CUDA events, only when ``timing`` asks for it): the
+communication left exposed, and the exchanges charged, forward and backward.
 
 :func:`emulate_relayed_exchanges` gives :func:`relayed_all_to_all_single` (torchtitan's MoE
 exchanges under ``bench titan``) the same kind of cost on the CPU, with its exposed time counted.
@@ -61,15 +64,26 @@ class EmulatedNetwork:
 
 @dataclass
 class CommStats:
-    """Exchanges posted and seconds spent blocked in their ``wait()`` (see :meth:`collect`)."""
+    """Exchanges posted and charged, and seconds spent blocked in their ``wait()`` (see
+    :meth:`collect`). Fixed size in training: the GPU stalls are timed (two CUDA events per
+    exchange, kept until :meth:`collect`) only when a benchmark sets ``timing``."""
 
     posted: int = 0
+    charged_forward: int = 0  # exchanges that paid an emulated network's time, forward
+    charged_backward: int = 0  # and their reverse exchanges in a backward
     waited_s: float = 0.0
+    timing: bool = False  # time the compute stream's stalls on a GPU (a benchmark, which drains them)
     gpu_stalls: list = field(default_factory=list)  # (start, end) CUDA events around compute-stream waits
 
     def reset(self) -> None:
-        self.posted, self.waited_s = 0, 0.0
+        self.posted, self.charged_forward, self.charged_backward, self.waited_s = 0, 0, 0, 0.0
         self.gpu_stalls.clear()
+
+    def charge(self, backward: bool) -> None:
+        if backward:
+            self.charged_backward += 1
+        else:
+            self.charged_forward += 1
 
     def wait_until(self, ready_at: float, wait: Callable[[], T]) -> T:
         """``wait()``, then sleep until ``ready_at`` (``time.perf_counter`` seconds: an emulated
@@ -140,15 +154,22 @@ class PendingAllToAll:
         return self.output
 
     def _wait_on_gpu(self) -> None:
-        """The compute stream waits (the CPU does not); CUDA events time the stall."""
+        """The compute stream waits (the CPU does not); with ``stats.timing``, CUDA events time
+        the stall (kept until ``collect()``, so only a benchmark that drains them asks)."""
+        if not self._stats.timing:
+            self._stream_waits()
+            return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        self._stream_waits()
+        end.record()
+        self._stats.gpu_stalls.append((start, end))
+
+    def _stream_waits(self) -> None:
         if self._gpu_done is not None:
             torch.cuda.current_stream().wait_event(self._gpu_done)
         if self._work is not None:
             self._work.wait()  # on the compute stream: the tensors it holds are released after it
-        end.record()
-        self._stats.gpu_stalls.append((start, end))
 
 
 @dataclass(eq=False)
@@ -172,24 +193,26 @@ class ExpertParallelComm:
     def rank(self) -> int:
         return 0 if self.group is None else dist.get_rank(self.group)
 
-    def post(self, x: torch.Tensor) -> PendingAllToAll:
-        """Start exchanging equal slices of ``x`` along dim 0 (slice ``i`` goes to rank ``i``)."""
+    def post(self, x: torch.Tensor, backward: bool = False) -> PendingAllToAll:
+        """Start exchanging equal slices of ``x`` along dim 0 (slice ``i`` goes to rank ``i``);
+        ``backward``: the reverse exchange of a backward (counted apart in ``stats``)."""
         if x.shape[0] != self.size:
             raise ValueError(f"all-to-all input needs dim 0 == group size {self.size}, got shape {tuple(x.shape)}")
         self.stats.posted += 1
         if x.is_meta:  # shape inference on meta tensors exchanges nothing
             return PendingAllToAll(x if self.group is None else torch.empty_like(x), None, 0.0, self.stats)
-        if x.is_cuda and self.network is not None:
-            return self._post_emulated_on_gpu(x)
+        if self.network is not None:
+            self.stats.charge(backward)
+            if x.is_cuda:
+                return self._post_emulated_on_gpu(x)
+        # One rank keeps its data; the network's time (if any) passes all the same.
+        delay = 0.0 if self.network is None else self.network.seconds(self._remote_bytes(x))
         if self.group is None:
-            return PendingAllToAll(x, None, 0.0, self.stats)
+            return PendingAllToAll(x, None, time.perf_counter() + delay, self.stats)
         x = x.contiguous()
         output = torch.empty_like(x)
         start = time.perf_counter()
         work = dist.all_to_all_single(output, x, group=self.group, async_op=True)
-        delay = 0.0
-        if self.network is not None and self.size > 1:
-            delay = self.network.seconds(self._remote_bytes(x))
         return PendingAllToAll(output, work, start + delay, self.stats)
 
     def _remote_bytes(self, x: torch.Tensor) -> int:
@@ -225,15 +248,17 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        pending = ctx.comm.post(grad.contiguous())
+        pending = ctx.comm.post(grad.contiguous(), backward=True)
         hand_over()
         return pending.wait(), None, None
 
 
 def all_to_all(x: torch.Tensor, comm: ExpertParallelComm) -> PendingAllToAll:
     """Post an autograd-aware exchange of ``x`` (shape ``[group size, ...]``); wait before reading ``output``."""
-    if comm.group is None:
-        return comm.post(x)  # identity: no autograd node needed
+    if comm.group is None and comm.network is None:
+        return comm.post(x)  # identity at no cost, either way: no autograd node needed
+    # With a network but no group, the node still charges the backward's exchange, as the
+    # segment-wise backward (which posts directly) does.
     box: list[PendingAllToAll] = []
     output = _AllToAll.apply(x, comm, box)
     pending = box[0]

@@ -285,10 +285,10 @@ class TransformerBlock(nn.Module):
         """Backward of the block output ``out`` with gradient ``grad``, yielding at each
         reverse exchange; returns the gradient of the block input."""
         g_combined, g_weights, g_attn = segment_backward([out], [grad], [b.combined, b.weights_in, b.h_attn_in], leaves)
-        reverse = self.moe.comm.post(_grad_or_zeros(g_combined, b.combined))
+        reverse = self.moe.comm.post(_grad_or_zeros(g_combined, b.combined), backward=True)
         yield reverse
         (g_received,) = segment_backward([b.expert_out], [reverse.output], [b.received], leaves)
-        reverse = self.moe.comm.post(_grad_or_zeros(g_received, b.received))
+        reverse = self.moe.comm.post(_grad_or_zeros(g_received, b.received), backward=True)
         yield reverse
         (g_in,) = segment_backward([b.h_attn, b.send, b.weights], [g_attn, reverse.output, g_weights], [b.h_in], leaves)
         return g_in
