@@ -6,16 +6,19 @@ import contextlib
 import copy
 import os
 import tempfile
+import weakref
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from titan_dualpipe import placement
 from titan_dualpipe.bench.model import TinyLM, lm_loss, split_model
 from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test modules
-    ATOL, MB_SIZE, RTOL, SCHEDULES, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
+    ATOL, MB_SIZE, RTOL, SCHEDULES, SEQ, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
     train_and_compare,
 )
 from titan_dualpipe.check import numerics as _numerics
@@ -102,7 +105,7 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     place = sched.placement
     x, y = batch(0, n)
     losses: list = []
-    out = sched.eval(x, target=y, losses=losses) if place.feeds_batch(rank) else sched.eval()
+    out = sched.eval(x, target=y, losses=losses, return_outputs=True) if place.feeds_batch(rank) else sched.eval()
     grads = [p.grad for m in modules.values() for p in m.parameters() if p.grad is not None]
     assert not grads, "eval() must not produce gradients"
     with torch.no_grad():
@@ -116,6 +119,92 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
         torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
         checked = len(mbs)
     return {"outputs_checked": checked}
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Live and peak bytes of the CPU tensors created while active (storages counted once,
+    released when torch frees them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._held: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._held.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._held:
+                    self._held.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, key, storage.nbytes())
+        return out
+
+
+def eval_peak_memory(schedule: str, pp: int, n: int) -> dict | None:
+    """Peak bytes of tensors made during eval(losses=...) with outputs kept (return_outputs=True)
+    and by default, on the ranks that hold a last stage; losses equal both ways."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    place = sched.placement
+    x, y = batch(0, n)
+    peaks, losses = {}, {}
+    for label, kwargs in (("warm-up", {}), ("kept", {"return_outputs": True}), ("default", {})):
+        losses[label] = []
+        with LiveTensorBytes() as meter:
+            if place.feeds_batch(rank):
+                out = sched.eval(x, target=y, losses=losses[label], **kwargs)
+                assert (out is not None) == ("return_outputs" in kwargs and any(place.is_last(s) for s in modules))
+            else:
+                sched.eval()
+            out = None
+        peaks[label] = meter.peak
+    assert [l.item() for l in losses["kept"]] == [l.item() for l in losses["default"]]
+    last_mbs = [mb for s in modules if place.is_last(s) for mb in place.microbatches(s)]
+    return {"rank": rank, "kept": peaks["kept"], "default": peaks["default"], "last_microbatches": len(last_mbs),
+            "logits_bytes": MB_SIZE * SEQ * VOCAB * 4}
+
+
+def agreement_collectives(schedule: str, pp: int, n: int) -> dict | None:
+    """Collectives each of two steps and two evals posts (recorded), then a step whose inputs
+    changed shape: it must raise on the ranks that feed them. All-gathers per call."""
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+    from titan_dualpipe.orders.nccl_model import Collective, Post
+
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    feeds = sched.placement.feeds_batch(rank)
+    counts = []
+    for call in ("step", "step", "eval", "eval"):
+        x, y = batch(len(counts), n)
+        with CommRecorder() as recorder:
+            if call == "eval":
+                sched.eval(x, target=y, losses=[]) if feeds else sched.eval()
+            else:
+                sched.step(x, target=y, losses=[]) if feeds else sched.step()
+        counts.append(sum(isinstance(op, Collective) and op.name.startswith("all_gather")
+                          for e in recorder.events if isinstance(e, Post) for op in e.ops))
+    error = ""
+    if pp == 1:  # no peer waits for this rank's traffic
+        x, y = batch(9, n)
+        try:
+            sched.step(x[:, :-1], target=y[:, :-1])  # one token shorter
+        except ValueError as err:
+            error = str(err)
+    return {"rank": rank, "all_gathers": counts, "changed_inputs_error": error}
 
 
 def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") -> str | None:

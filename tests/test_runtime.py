@@ -275,3 +275,28 @@ def test_checkpointed_blocks_with_fsdp2(pool, schedule, pp, n, runtime):
     ran = _ran(pool.run(cases.checkpointed_fsdp_numerics, schedule=schedule, pp=pp, n=n, runtime=runtime))
     assert len(ran) == WORLD and max(r["grad_err"] for r in ran) <= cases.ATOL
     assert sum(r["whole_at_input"] for r in ran) > 0, ran
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 2, 4), ("DualPipeV", 1, 2)])
+def test_inputs_agreed_at_the_first_step_and_eval_only(pool, schedule, pp, n):
+    """A step (or eval) whose inputs have the first one's shapes posts no agreement collective (no
+    host sync); a changed shape raises on the rank that passed it."""
+    ran = _ran(pool.run(cases.agreement_collectives, schedule=schedule, pp=pp, n=n))
+    for r in ran:
+        first_step, second_step, first_eval, second_eval = r["all_gathers"]
+        assert first_step >= 1 and first_eval >= 1, r
+        assert second_step == 0 and second_eval == 0, r
+    if pp == 1:
+        assert "differ from the first step's" in ran[0]["changed_inputs_error"], ran[0]
+        error = ran[0]["changed_inputs_error"]
+        assert f"({2 * n}, 8) int64" in error and f"({2 * n}, 7) int64" in error, error
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 8), ("DualPipe", 2, 8)])
+def test_eval_with_losses_keeps_no_outputs(pool, schedule, pp, n):
+    """torchtitan's validator passes losses=: the schedule then keeps no microbatch's outputs."""
+    ran = [r for r in _ran(pool.run(cases.eval_peak_memory, schedule=schedule, pp=pp, n=n)) if r["last_microbatches"]]
+    assert ran
+    for r in ran:
+        saved = r["kept"] - r["default"]
+        assert saved >= (r["last_microbatches"] - 1) * r["logits_bytes"], r

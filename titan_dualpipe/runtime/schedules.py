@@ -31,13 +31,14 @@ from .timeline import TimedAction
 from .agreement import agree
 from .errors import PipelineConfigError
 from .executor import StepExecutor
-from .failures import schedule_scope, step_scope
+from .failures import record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
-from .validation import compiled_problem, cross_rank_problem, requirements_problem, stage_problem, step_inputs_problem
+from .validation import (changed_inputs_problem, compiled_problem, cross_rank_problem, input_signature,
+                         requirements_problem, stage_problem, step_inputs_problem)
 
 
 
@@ -102,6 +103,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._step_loss_kwargs: dict | None = None
         self._failure_scope = schedule_scope(self._stages[0].group)
         self._steps_run = 0
+        self._agreed_inputs: dict[bool, tuple] = {}  # by has_backward: the signature of the inputs agreed on
         place = self.placement
         self.stage_index_to_group_rank = {s: place.rank_of(s) for s in range(place.num_stages)}
         for stage in self._stages:
@@ -167,14 +169,21 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                 return self._merge_outputs(stage.output_chunks)
         return None
 
-    def eval(self, *args, target=None, losses: list | None = None, arg_mbs: list | None = None,
-             kwarg_mbs: list | None = None, target_mbs: list | None = None, **kwargs):
-        """Forward only (no gradients), with ``step()``'s inputs."""
+    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool | None = None,
+             arg_mbs: list | None = None, kwarg_mbs: list | None = None, target_mbs: list | None = None, **kwargs):
+        """Forward only (no gradients), with ``step()``'s inputs.
+
+        Returns the merged outputs of this rank's last stage unless ``losses`` is given: a caller
+        that asks for the losses (torchtitan's validator) gets no outputs, and the schedule keeps
+        none alive across the step (a language model's logits: every microbatch's, at once), unless
+        it also passes ``return_outputs=True``."""
+        if return_outputs is None:
+            return_outputs = losses is None
         has_backward = self._has_backward
         try:
             self._has_backward = False
-            return self.step(*args, target=target, losses=losses, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs,
-                             target_mbs=target_mbs, **kwargs)
+            return self.step(*args, target=target, losses=losses, return_outputs=return_outputs, arg_mbs=arg_mbs,
+                             kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, **kwargs)
         finally:
             self._has_backward = has_backward
 
@@ -209,8 +218,22 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
 
     def _agree_on_inputs(self, args: tuple, kwargs: dict, target: Any, arg_mbs: Any = None, kwarg_mbs: Any = None,
                          target_mbs: Any = None) -> None:
-        """Every rank raises when any rank's step() inputs are wrong, before pipeline traffic."""
+        """Every rank raises when any rank's step() inputs are wrong, before pipeline traffic.
+
+        Ranks agree (a collective, then a host sync) at the first step() and the first eval() of
+        the schedule only: the stages take those steps' shapes for good. A later step whose
+        inputs have the same signature (shapes, dtypes, structure) needs no agreement; one whose
+        inputs changed or are wrong raises on this rank (recorded as the step's first failure, so
+        the other ranks' errors name it when their pipeline traffic fails)."""
         problem, size = step_inputs_problem(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        signature = input_signature(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        first = self._agreed_inputs.get(self._has_backward)
+        if first is not None:
+            problem = problem or changed_inputs_problem(self.rank, first, signature)
+            if problem:
+                record(step_scope(self._failure_scope, self._steps_run), problem)
+                raise PipelineConfigError(problem)
+            return
         holds_last = any(self.placement.is_last(s.stage_index) for s in self._stages)
         passes_target = target is not None or target_mbs is not None
         group, device = self._stages[0].group, self._stages[0].device
@@ -218,6 +241,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         problem = cross_rank_problem(self.placement, table)
         if problem:  # the same on every rank: the table is
             raise PipelineConfigError(problem)
+        self._agreed_inputs[self._has_backward] = signature
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
@@ -245,7 +269,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """Every rank's recorded actions of the last step (``record_timeline=True``), on every rank.
 
         Collective over the pipeline group. Times are seconds since each rank started the
-        step's first action; ranks start together (step() begins with a collective).
+        step's executor; their clocks line up as far as the ranks entered step() together (a barrier
+        before it, as ``profile`` does).
         """
         everyone: list[list[TimedAction]] = [[] for _ in range(self.pp_group_size)]
         dist.all_gather_object(everyone, list(self.timeline), group=self._stages[0].group)

@@ -129,3 +129,26 @@ def cross_rank_problem(place: Placement, table: torch.Tensor) -> str:
                 + ("each direction takes half of the microbatches from its end, and both ends pass the whole batch: "
                    "pass the same batch on ranks 0 and pp-1" if place.bidirectional else "pass one batch"))
     return ""
+
+
+def input_signature(*values: Any) -> tuple:
+    """What of a step's inputs the pipeline depends on: each tensor's shape and dtype, the place of
+    every other value (``None`` included) in its structure."""
+    leaves, spec = tree_flatten(values)
+    return str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+                            for v in leaves)
+
+
+def changed_inputs_problem(rank: int, first: tuple, now: tuple) -> str:
+    """Inputs unlike the first step's: ranks agree on their inputs at a mode's first step only."""
+    if first == now:
+        return ""
+    return (f"rank {rank}: this step's inputs differ from the first step's (tensor shapes and dtypes "
+            f"{_shown(first)} then, {_shown(now)} now); a schedule's stages take the shapes of its first "
+            "step (and eval()'s of its first eval), and its ranks check their inputs together only then: "
+            "pass inputs of the same shapes every step, or build new stages and a new schedule for new shapes")
+
+
+def _shown(signature: tuple) -> str:
+    return "[" + ", ".join(f"{tuple(v[0])} {str(v[1]).removeprefix('torch.')}" if isinstance(v, tuple) else v
+                           for v in signature[1]) + "]"
