@@ -10,6 +10,7 @@ only when a benchmark asks.
 from __future__ import annotations
 
 import socket
+import weakref
 import types
 from datetime import timedelta
 
@@ -186,3 +187,27 @@ def test_gpu_waits_are_timed_when_a_benchmark_asks(fake_gpu):
     assert len(stats.gpu_stalls) == 10 and _FakeEvent.made == 20
     assert stats.collect() == pytest.approx(10 * 2e-3)
     assert stats.gpu_stalls == []
+
+
+def test_a_forward_keeps_no_dispatch_buffer_or_expert_output_alive(world_of_one):
+    """Between a microbatch's forward and its backward, only what autograd saves stays: the
+    boundaries kept for a segment-wise backward hold the dispatch buffer and the experts' output
+    as graph edges, whose memory nothing else needs (the exchanges read them and keep nothing)."""
+    model = _model(ExpertParallelComm(dist.group.WORLD))
+    produced: dict[str, list] = {"attention": [], "experts": []}
+
+    def keep_refs(module, args, kwargs, output):
+        segment = kwargs.get("segment")
+        if segment in produced:
+            produced[segment].append(weakref.ref(output[1] if segment == "attention" else output))
+
+    for block in model.layers.values():
+        block.register_forward_hook(keep_refs, with_kwargs=True)
+    for backward in (lambda loss: loss.backward(), lambda loss: run_to_completion(model.backward_steps([loss], None))):
+        produced["attention"].clear(), produced["experts"].clear()
+        x, y = _batch(0)
+        loss = lm_loss(model(x), y)
+        held = {name: sum(ref() is not None for ref in refs) for name, refs in produced.items()}
+        assert held == {"attention": 0, "experts": 0}, f"alive before the backward: {held}"
+        backward(loss)  # the segment-wise backward still finds its roots
+        assert all(p.grad is not None for p in model.parameters())

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .comm import ExpertParallelComm, all_to_all
 from ..split import split_layers
-from .segments import SegmentLeaves, Step, boundary, interleave, run_to_completion, segment_backward
+from .segments import Root, SegmentLeaves, Step, boundary, interleave, root_of, run_to_completion, segment_backward
 
 _RECORD_KEY = "titan_dualpipe.moe_boundaries"
 SEGMENTS = ("attention", "experts", "combine")
@@ -208,9 +208,9 @@ class LayerBoundaries:
     h_attn_in: torch.Tensor  # its alias read by the combine segment
     weights: torch.Tensor  # gate weights (raw)
     weights_in: torch.Tensor  # their alias read by the combine segment
-    send: torch.Tensor  # dispatch buffer (raw)
+    send: Root  # dispatch buffer (its edge: only the dispatch exchange reads it, and keeps nothing)
     received: torch.Tensor  # alias of the dispatch exchange's output
-    expert_out: torch.Tensor  # experts' output (raw)
+    expert_out: Root  # experts' output (its edge, as send's)
     combined: torch.Tensor  # alias of the combine exchange's output
 
 
@@ -276,7 +276,8 @@ class TransformerBlock(nn.Module):
         combined, h_attn_in, weights_in = boundary(combine.output), boundary(h_attn), boundary(weights)
         out = run("combine", combined, weights_in, h_attn_in, routing)
         record.append(
-            LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, send, received, expert_out, combined))
+            LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, root_of(send), received, root_of(expert_out),
+                            combined))
         return out
 
     def backward_steps(

@@ -20,10 +20,10 @@ commutative; a longer sum could be accumulated in another order).
 
 from __future__ import annotations
 
-from typing import Any, Generator, Protocol, Sequence, TypeVar
+from typing import Any, Generator, Protocol, Sequence, TypeVar, Union
 
 import torch
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from .relay import hand_over
 
@@ -35,6 +35,15 @@ class Waitable(Protocol):
 
 
 Step = Generator[Waitable, None, T]
+# A segment's output: the tensor, or only its place in the graph (``root_of``) where nothing
+# but a segment backward would keep the tensor's memory alive.
+Root = Union[torch.Tensor, GradientEdge]
+
+
+def root_of(output: torch.Tensor) -> Root:
+    """``output`` as a segment backward root that holds none of its memory (its gradient edge),
+    or ``output`` itself when it is not part of an autograd graph."""
+    return get_gradient_edge(output) if output.grad_fn is not None else output
 
 
 def run_to_completion(step: Step[T]) -> T:
@@ -110,15 +119,16 @@ class SegmentLeaves:
             self._seen[id(leaf)] = leaf
 
 
-def _reachable_leaves(roots: Sequence[torch.Tensor], captures: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _reachable_leaves(roots: Sequence[Root], captures: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Leaves requiring grad behind ``roots``, not looking past the ``captures``."""
     edges = [get_gradient_edge(c) for c in captures]
     # Node ids are compared below, so every node object seen stays referenced: a freed
     # wrapper's id can be reused by another node's (torch 2.11 frees them eagerly).
     alive: list[Node] = [edge.node for edge in edges]
     stops = {(id(edge.node), edge.output_nr) for edge in edges}
-    leaves: list[torch.Tensor] = [r for r in roots if r.is_leaf and r.requires_grad]
-    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    tensors = [r for r in roots if isinstance(r, torch.Tensor)]
+    leaves: list[torch.Tensor] = [r for r in tensors if r.is_leaf and r.requires_grad]
+    stack = [r.grad_fn for r in tensors if r.grad_fn is not None] + [r.node for r in roots if isinstance(r, GradientEdge)]
     seen: set[int] = set()
     while stack:
         node = stack.pop()
@@ -137,16 +147,15 @@ def _reachable_leaves(roots: Sequence[torch.Tensor], captures: Sequence[torch.Te
 
 
 def segment_backward(
-    roots: Sequence[torch.Tensor],
+    roots: Sequence[Root],
     grads: Sequence[torch.Tensor | None],
     captures: Sequence[torch.Tensor],
     leaves_claimed: SegmentLeaves | None = None,
 ) -> list[torch.Tensor | None]:
-    """Backpropagate ``grads`` from ``roots`` down to ``captures`` (aliases made by
+    """Backpropagate ``grads`` from ``roots`` (tensors or :func:`root_of` edges) down to ``captures`` (aliases made by
     :func:`boundary`); accumulate the gradients of the leaves in between into their
     ``.grad`` and return the captures' gradients (None where nothing reached one)."""
-    kept = [(r, g) for r, g in zip(roots, grads, strict=True)
-            if r.requires_grad and (g is not None or r.numel() == 1)]
+    kept = [(r, g) for r, g in zip(roots, grads, strict=True) if _backpropagates(r, g)]
     wanted = [c for c in captures if c.requires_grad]
     for c in wanted:
         if c.is_leaf:
@@ -162,6 +171,13 @@ def segment_backward(
         if c.requires_grad:
             c.grad = None
     for r, _ in kept:
-        if r.retains_grad:  # a former capture used as a root: drop the copy autograd kept
+        if isinstance(r, torch.Tensor) and r.retains_grad:  # a former capture used as a root: drop autograd's copy
             r.grad = None
     return result
+
+
+def _backpropagates(root: Root, grad: torch.Tensor | None) -> bool:
+    """Whether a root takes part: an edge with a gradient, a tensor in the graph with one (or a scalar)."""
+    if isinstance(root, GradientEdge):
+        return grad is not None
+    return root.requires_grad and (grad is not None or root.numel() == 1)
