@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import pipeline_cases as cases
+import tp_cases
 from dist_pool import WorkerPool
 from titan_dualpipe import _compat
 
@@ -300,3 +301,22 @@ def test_eval_with_losses_keeps_no_outputs(pool, schedule, pp, n):
     for r in ran:
         saved = r["kept"] - r["default"]
         assert saved >= (r["last_microbatches"] - 1) * r["logits_bytes"], r
+
+
+@pytest.mark.parametrize("schedule,n", [("DualPipeV", 4), ("DualPipe", 4)])
+@pytest.mark.parametrize("with_loss_parallel,fsdp", [(True, False), (False, False), (True, True)],
+                         ids=["loss_parallel", "gathered_logits", "fsdp_x_tp"])
+def test_tensor_parallel_matches_reference(pool, schedule, n, with_loss_parallel, fsdp):
+    """pp 2 x tp 2: sharded parameters and gradients (DualPipe's twin copies and sums among them)
+    and, with loss parallel, DTensor losses (swapped between DualPipe's ends) match the reference;
+    also with FSDP2 over TP (parameters sharded on two mesh dimensions)."""
+    ran = _ran(pool.run(tp_cases.tp_numerics, schedule=schedule, n=n, with_loss_parallel=with_loss_parallel,
+                        fsdp=fsdp))
+    assert len(ran) == WORLD
+    ends = 4 if schedule == "DualPipe" else 2  # ranks holding a last stage: both tp ranks of each
+    assert sum(r["losses_checked"] for r in ran) == ends * 2 * n
+    # TP shards the MLPs and the head; FSDP2 shards every parameter
+    assert all(r["sharded_grads"] > 0 and (fsdp or r["grads_checked"] > r["sharded_grads"]) for r in ran)
+    assert sum(r["dtensor_losses"] for r in ran) == (ends * 2 * n if with_loss_parallel else 0)
+    if schedule == "DualPipe":
+        assert all(r["twin_parts"] == 2 for r in ran)
