@@ -6,8 +6,20 @@ import json
 
 import pytest
 
+import check_cases
+from dist_pool import WorkerPool
 from titan_dualpipe.check import cli as check_cli
 from titan_dualpipe.cli import main as cli_main
+
+# FSDP2's warning about a module returning a view, harmless in the check (see check/cli.py)
+FSDP_VIEW_WARNING = "can cause backward to fail"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2)
+    yield p
+    p.close()
 
 
 def test_layouts_cover_every_pp_that_fits():
@@ -19,9 +31,11 @@ def test_layouts_cover_every_pp_that_fits():
     assert [c.schedule for c in check_cli.cases_for(1)] == ["DualPipeV"]  # DualPipe needs an even pp
 
 
-def test_check_on_two_cpu_processes_passes_every_case(capsys):
+def test_check_on_two_cpu_processes_passes_every_case(capfd):
     assert cli_main(["check", "--nproc", "2", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    out, err = capfd.readouterr()  # the ranks' warnings go to the file descriptors
+    assert FSDP_VIEW_WARNING not in out + err
+    report = json.loads(out)
     assert report["backend"] == "gloo" and len(report["cases"]) == len(check_cli.cases_for(2)) == 5
     for outcome in report["cases"]:
         assert outcome["passed"] and outcome["order"] == "completes", outcome
@@ -46,3 +60,28 @@ def test_nccl_without_enough_gpus_is_refused(capsys):
         pytest.skip("this machine has 64 GPUs")
     assert cli_main(["check", "--nproc", "64", "--backend", "nccl"]) == 2
     assert "needs one GPU per process" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", check_cli.FAULTS)
+def test_a_case_failing_on_one_rank_fails_on_every_rank_and_the_next_case_runs(pool, kind):
+    """A mismatch, a raise before any traffic, a raise mid-step: all ranks agree, nothing leaks."""
+    cases = [check_cli.Case("DualPipe", 2, 1, 6), check_cli.Case("DualPipeV", 1, 2, 3)]
+    # mid-step, rank 0 is released when rank 1 destroys the case's groups, at the latest when they time out
+    ranks = pool.run(check_cases.cases_counting_groups, timeout_s=120, cases=cases,
+                     fault=check_cli.Fault(0, 1, kind), case_timeout_s=5.0)
+    for rank, report in enumerate(ranks):
+        failed, following = report["outcomes"]
+        assert not failed["passed"] and 1 in failed["ranks"], (rank, failed)
+        assert "rank 1: " in failed["error"] and ("injected" in failed["error"] or kind == "grad"), failed["error"]
+        assert following["passed"], (rank, following)
+        assert report["groups_after"] == report["groups_before"] == 1, report  # the world group alone
+    if kind == "grad":  # seen on rank 1 alone
+        assert ranks[0]["outcomes"][0]["ranks"] == [1]
+
+
+def test_a_case_failing_on_one_rank_is_a_fail_row_and_the_exit_code(capfd):
+    assert cli_main(["check", "--nproc", "2", "--fault", "1:1:grad"]) == 1
+    out, err = capfd.readouterr()
+    rows = [line.split() for line in out.splitlines() if line.startswith(("DualPipeV ", "DualPipe "))]
+    assert [row[-2] for row in rows[:5]] == ["pass", "FAIL", "pass", "pass", "pass"], out
+    assert "DualPipeV pp=2 failed on ranks [1]:\nrank 1: AssertionError" in out

@@ -10,21 +10,57 @@ completes under NCCL's semantics (no buffering). Prints one row per case.
 
 With ``--backend nccl`` rank r uses GPU r (N <= the GPUs of this machine); with gloo the
 processes run on the CPU.
+
+A case that fails on some ranks only is a FAIL row, and the next case still runs; the exit
+status is 1 when any case failed.
+
+How failures are contained:
+
+- After each case every rank gathers every rank's result over the world group, so all agree
+  on the row; it names the failing ranks and gives their messages in the order they failed.
+- Each case runs on process groups of its own (its device mesh is built on them), created
+  for it with a timeout of ``CASE_TIMEOUT_S`` and destroyed after it.
+- Every rank builds its stages, then all agree over the world group (one all-reduce of a
+  flag) before the schedule's constructor, the case's first communication: a rank that
+  failed before any traffic stops every rank there.
+- A numerics mismatch never stops a rank early (see :mod:`.numerics`): all ranks post the
+  same communication whatever they find.
+- A rank that raises mid-step leaves its peers blocked in the case's p2p or collectives;
+  the failed rank cannot complete them. Under gloo the peers' waits fail (when the failed
+  rank's connections close as it destroys the case's groups, at the latest after the
+  groups' timeout, which is shorter than the world's), so the run goes on to the next case.
+  Under NCCL nothing releases a blocked kernel: after the groups' timeout the watchdog
+  aborts the run, which then ends with an error instead of hanging.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..cli import HelpFormatter
 
 MIN_STEPS_TOL = "rtol 1e-5, atol 4e-5"
+# a rank blocked on a failed peer gives up after this; shorter than the world group's timeout
+# (bench.spawn: 5 minutes) so that the failed rank is still waiting in the agreement
+CASE_TIMEOUT_S = 120.0
+FAULTS = ("grad", "setup", "step")
+# FSDP2 warns when a wrapped module returns a view: the last part's vocabulary head (F.linear
+# on a 3-D input) returns one. The warning is about in-place ops on that view, which would skip
+# FSDP's pre-backward all-gather; here the logits go straight to the loss (out of place), and
+# every gradient is compared with the reference, so a skipped gather would be a FAIL row. Its
+# text ("can cause backward to fail") would read as a failure of the check.
+_HARMLESS_WARNING = r"FSDP2-wrapped module \(FSDPTinyLM\) returned a view tensor"
+_MESH_IDS = itertools.count()  # see _run_case
 
 
 @dataclass(frozen=True)
@@ -68,65 +104,157 @@ def cases_for(world: int) -> list[Case]:
     return cases
 
 
-def _run_case(case: Case, device: torch.device) -> dict[str, Any]:
-    """One case on this rank: train and compare, record communication; what rank 0 needs."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+@dataclass(frozen=True)
+class Fault:
+    """An injected failure of case ``case`` (its index) on rank ``rank``, for tests of the
+    failure path: ``grad`` (a numerics mismatch), ``setup`` (raises before any traffic) or
+    ``step`` (raises mid-step)."""
+    case: int
+    rank: int
+    kind: str
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        case, rank, kind = text.split(":")
+        if kind not in FAULTS:
+            raise argparse.ArgumentTypeError(f"fault kind must be one of {FAULTS}, got {kind!r}")
+        return cls(int(case), int(rank), kind)
+
+
+def live_groups() -> int:
+    """The process groups this process holds, the world's included. Reads ``_world.pg_map``, a
+    private name of torch.distributed.distributed_c10d (there in torch 2.11 to 2.14): torch has
+    no public way to list them."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _case_groups(case: Case, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """This rank's pipeline and data-parallel groups for ``case``, laid out as
+    ``init_device_mesh(("pp", "dp"))`` would (rank = pp index * dp + dp index), but created
+    for this case only: with their own timeout, and never the world group, so that they can
+    be destroyed after it. Every rank creates every group (``new_group`` is collective)."""
+    rank, dp, timeout = dist.get_rank(), case.dp, timedelta(seconds=timeout_s)
+    pp_groups = [dist.new_group([j + k * dp for k in range(case.pp)], timeout=timeout) for j in range(dp)]
+    if dp == 1:
+        return pp_groups[0], None
+    dp_groups = [dist.new_group(list(range(i * dp, (i + 1) * dp)), timeout=timeout) for i in range(case.pp)]
+    return pp_groups[rank % dp], dp_groups[rank // dp]
+
+
+class _Ready:
+    """The case's agreement before its first communication: one all-reduce of a flag over the
+    world group, which every rank must run exactly once per case."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.asked = device, False
+
+    def __call__(self, ok: bool) -> bool:
+        """Whether every rank is ready (``ok``)."""
+        self.asked = True
+        flag = torch.tensor([int(ok)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+def _raise_in_forward(module: torch.nn.Module, args: Any) -> None:
+    raise RuntimeError("injected fault: raised mid-step")
+
+
+def _factory(schedule: str, ready: _Ready, fault: str | None) -> Callable[..., Any]:
+    """Builds the schedule once every rank is ready: its constructor is the case's first
+    communication (it agrees on the configuration over the pipeline group)."""
+    from .numerics import SCHEDULES
+
+    def build(stages: list, n: int, **kwargs: Any) -> Any:
+        if fault == "setup":
+            raise RuntimeError("injected fault: raised before any traffic")
+        if not ready(True):
+            raise RuntimeError("not run: another rank failed before the case's first communication")
+        if fault == "step":
+            stages[0].submod.register_forward_pre_hook(_raise_in_forward)
+        return SCHEDULES[schedule](stages, n, **kwargs)
+    return build
+
+
+def _run_case(case: Case, device: torch.device, fault: str | None = None,
+              timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
+    """One case on this rank: train and compare, record communication; what the others need."""
+    from torch.distributed.device_mesh import DeviceMesh
 
     from ..runtime.comm_record import CommRecorder
     from .numerics import train_and_compare
 
-    mesh = init_device_mesh(device.type, (case.pp, case.dp), mesh_dim_names=("pp", "dp"))
-    fsdp = {}
-    if case.dp > 1:
-        fsdp = dict(fsdp_mesh=mesh["dp"], dp_index=mesh["dp"].get_local_rank(), dp_size=case.dp)
-    start = time.perf_counter()
+    pp_group, dp_group = _case_groups(case, timeout_s)
+    fsdp: dict[str, Any] = {}
+    if dp_group is not None:
+        # DTensor caches sharding decisions by mesh equality, which ignores the mesh's groups: a
+        # mesh equal to an earlier case's would be handed cached specs naming destroyed groups.
+        # A dimension name of its own keeps every case's mesh unequal to the earlier ones.
+        mesh = DeviceMesh.from_group(dp_group, device.type, mesh_dim_names=(f"dp{next(_MESH_IDS)}",))
+        fsdp = dict(fsdp_mesh=mesh, dp_index=dist.get_rank(dp_group), dp_size=case.dp)
+    ready, start = _Ready(device), time.perf_counter()
     try:
         with CommRecorder(device=device) as recorder:
-            result = train_and_compare(case.schedule, case.pp, case.n, mesh["pp"].get_group(),
-                                       mesh["pp"].get_local_rank(), device=device, **fsdp, **dict(case.options))
+            result = train_and_compare(case.schedule, case.pp, case.n, pp_group, dist.get_rank(pp_group),
+                                       device=device, factory=_factory(case.schedule, ready, fault),
+                                       grad_fault=1.0 if fault == "grad" else 0.0, **fsdp, **dict(case.options))
         return {"ok": True, **result, "events": recorder.events, "seconds": time.perf_counter() - start,
                 "rank": dist.get_rank()}
-    except (AssertionError, ValueError, RuntimeError) as err:
-        return {"ok": False, "error": f"{type(err).__name__}: {err}", "rank": dist.get_rank(), "events": [],
-                "seconds": time.perf_counter() - start}
+    except Exception as err:  # noqa: BLE001 - any failure is this case's FAIL row, on every rank
+        failed_at = time.time()  # one machine: ranks' clocks order their failures
+        if not ready.asked:  # the others wait in the agreement: tell them
+            ready(False)
+        return {"ok": False, "error": f"rank {dist.get_rank()}: {type(err).__name__}: {err}", "rank": dist.get_rank(),
+                "events": [], "seconds": time.perf_counter() - start, "failed_at": failed_at}
+    finally:
+        for group in (pp_group, dp_group):
+            if group is not None:
+                dist.destroy_process_group(group)
 
 
-def _worker(cases: list[Case], backend: str) -> list[dict[str, Any]]:
-    """Every case on this rank; rank 0 returns the outcomes."""
-    import torch.distributed as dist
-
+def _outcome(case: Case, everyone: list[dict[str, Any]]) -> Outcome:
+    """The row every rank agrees on, from every rank's result."""
     from ..orders.nccl_model import Deadlock, check_completes
 
+    outcome = Outcome(case, seconds=max(r["seconds"] for r in everyone))
+    failed = sorted((r for r in everyone if not r["ok"]), key=lambda r: r["failed_at"])
+    if failed:
+        outcome.error, outcome.ranks = "\n".join(r["error"] for r in failed), sorted(r["rank"] for r in failed)
+        return outcome
+    outcome.grad_err = max(r["grad_err"] for r in everyone)
+    outcome.loss_err = max(r["loss_err"] for r in everyone)
+    try:
+        check_completes({r["rank"]: r["events"] for r in everyone})
+        outcome.order, outcome.passed = "completes", True
+    except Deadlock as err:
+        outcome.order, outcome.error = "would hang", str(err)
+    return outcome
+
+
+def _worker(cases: list[Case], backend: str, fault: Fault | None = None,
+            case_timeout_s: float = CASE_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Every case on this rank; the outcomes, the same on every rank."""
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     outcomes = []
-    for case in cases:
-        mine = _run_case(case, device)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        outcome = Outcome(case, seconds=max(r["seconds"] for r in everyone))
-        failed = [r for r in everyone if not r["ok"]]
-        if failed:
-            outcome.error, outcome.ranks = failed[0]["error"], [r["rank"] for r in failed]
-        else:
-            outcome.grad_err = max(r["grad_err"] for r in everyone)
-            outcome.loss_err = max(r["loss_err"] for r in everyone)
-            try:
-                check_completes({r["rank"]: r["events"] for r in everyone})
-                outcome.order, outcome.passed = "completes", True
-            except Deadlock as err:
-                outcome.order, outcome.error = "would hang", str(err)
-        outcomes.append(asdict(outcome))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_HARMLESS_WARNING, category=UserWarning)
+        for index, case in enumerate(cases):
+            mine = fault.kind if fault and (fault.case, fault.rank) == (index, dist.get_rank()) else None
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, _run_case(case, device, mine, case_timeout_s))
+            outcomes.append(asdict(_outcome(case, everyone)))
     return outcomes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("check", help="run the numerics suite on N local processes (GPUs or CPU)",
-                              description=__doc__, formatter_class=HelpFormatter)
+                              description=__doc__.partition("\nHow failures")[0], formatter_class=HelpFormatter)
     p.add_argument("--nproc", type=int, required=True, help="number of processes (with nccl: one GPU each)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="nccl (default when this machine has N GPUs) or gloo (CPU)")
     p.add_argument("--json", action="store_true", help="print the outcomes as JSON instead of a table")
+    # CASE:RANK:KIND, makes one case fail on one rank (tests of the failure path); not for users
+    p.add_argument("--fault", type=Fault.parse, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -147,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.spawn import run_on_processes
 
     cases = cases_for(args.nproc)
-    outcomes = run_on_processes(_worker, args.nproc, cases, backend, backend=backend)
+    outcomes = run_on_processes(_worker, args.nproc, cases, backend, args.fault, backend=backend)
     if args.json:
         print(json.dumps({"backend": backend, "nproc": args.nproc, "torch": torch.__version__, "cases": outcomes},
                          indent=1, default=str))

@@ -5,12 +5,17 @@ same seed, trains ``steps`` steps with an Adam step between, and compares every 
 loss and every parameter gradient of its stages with the reference (``RTOL``, ``ATOL``);
 DualPipe's twin copies must end bit-identical. Used by the test suite, by ``titan-dualpipe
 check`` on a user's machine, and by the GPU tests.
+
+A mismatch never stops a rank early: it runs every step (and the twins' gather) like its
+peers and raises the first mismatch at the end, so a mismatch seen on one rank only cannot
+leave the others blocked in the next step's communication.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,6 +45,20 @@ def reference_step(model: TinyLM, x: torch.Tensor, y: torch.Tensor, n: int, scal
     total = torch.stack(losses).sum()
     (total / n if scale_grads else total).backward()
     return [loss.item() for loss in losses]
+
+
+def replicas_reference_step(model: TinyLM, step: int, n: int, dp_index: int, dp_size: int,
+                            device: torch.device | str, scale_grads: bool) -> list[float]:
+    """The reference step over every data-parallel replica's batch (gradients averaged over
+    replicas); replica ``dp_index``'s losses."""
+    mine: list[float] = []
+    for d in range(dp_size):
+        losses = reference_step(model, *batch(step, n, d, device), n, scale_grads)
+        mine = losses if d == dp_index else mine
+    if dp_size > 1:
+        for p in model.parameters():
+            p.grad /= dp_size
+    return mine
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -86,13 +105,16 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
 def grad_error(modules: dict[int, torch.nn.Module], reference: TinyLM, label: str) -> float:
     """Largest gradient difference to the reference; AssertionError beyond ``RTOL``/``ATOL``."""
     ref = dict(reference.named_parameters())
+    # gather every gradient (a collective under FSDP) before comparing any: a mismatch on this
+    # rank must not leave its data-parallel peers in a gather it skipped
+    grads = [(s, name, None if p.grad is None else full(p.grad))
+             for s, module in modules.items() for name, p in module.named_parameters()]
     worst = 0.0
-    for s, module in modules.items():
-        for name, p in module.named_parameters():
-            assert p.grad is not None, f"{label}: stage {s} {name} has no gradient"
-            got, want = full(p.grad), ref[name].grad
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: stage {s} {name}: {m}")
-            worst = max(worst, (got - want).abs().max().item())
+    for s, name, got in grads:
+        assert got is not None, f"{label}: stage {s} {name} has no gradient"
+        want = ref[name].grad
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: stage {s} {name}: {m}")
+        worst = max(worst, (got - want).abs().max().item())
     return worst
 
 
@@ -111,15 +133,50 @@ def twins_identical(modules: dict[int, torch.nn.Module], place: Placement, group
     return len(copies)
 
 
+def loss_error(got: list[torch.Tensor], want: list[float], n: int) -> float:
+    """Largest microbatch-loss difference to the reference; AssertionError beyond ``RTOL``/``ATOL``."""
+    values = [loss.item() for loss in got]
+    assert len(values) == n, f"expected {n} losses, got {len(values)}"
+    torch.testing.assert_close(torch.tensor(values), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    return max(abs(a - b) for a, b in zip(values, want))
+
+
+def _compared(mismatches: list[str], compare: Callable[[], float]) -> float:
+    """``compare()``, or 0.0 with its AssertionError kept in ``mismatches``: this rank goes on."""
+    try:
+        return compare()
+    except AssertionError as err:
+        mismatches.append(str(err))
+        return 0.0
+
+
+@contextmanager
+def _grad_off(modules: dict[int, torch.nn.Module], amount: float) -> Iterator[None]:
+    """This rank's first gradient off by ``amount`` inside the block, restored bit for bit
+    after it: a mismatch this rank alone sees (tests of the failure path)."""
+    grad = next(p for m in modules.values() for p in m.parameters()).grad if amount else None
+    saved = grad.clone() if grad is not None else None
+    with torch.no_grad():
+        if grad is not None:
+            grad.add_(amount)
+        try:
+            yield
+        finally:
+            if grad is not None:
+                grad.copy_(saved)
+
+
 def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                       dp_index: int = 0, dp_size: int = 1, device: torch.device | str = "cpu", fsdp_mesh: Any = None,
                       scale_grads: bool = True, steps: int = 2, factory: ScheduleFactory | None = None,
-                      perturb_twins: bool = True, **schedule_kwargs: Any) -> dict[str, Any]:
+                      perturb_twins: bool = True, grad_fault: float = 0.0, **schedule_kwargs: Any) -> dict[str, Any]:
     """``steps`` training steps with Adam between, checked against the reference on every rank.
 
     Data-parallel replicas (``dp_size`` > 1, FSDP over ``fsdp_mesh``) see different batches; the
     reference averages their gradients. Returns ``grad_err``, ``loss_err``, ``losses_checked``
-    and, for DualPipe, ``twin_parts``; raises AssertionError (with the order) on a mismatch.
+    and, for DualPipe, ``twin_parts``; raises AssertionError (the first mismatch, with the
+    order) after the last step. ``grad_fault`` is added to this rank's first gradient for
+    the comparison only, every step (tests of the failure path).
     """
     reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, device=device, fsdp_mesh=fsdp_mesh,
                                                perturb_twins=perturb_twins, factory=factory, scale_grads=scale_grads,
@@ -129,30 +186,26 @@ def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup |
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     holds_loss = any(place.is_last(s) for s in modules)
     result: dict[str, Any] = {"grad_err": 0.0, "loss_err": 0.0, "losses_checked": 0}
+    mismatches: list[str] = []
     try:
         for step in range(steps):
             x, y = batch(step, n, dp_index, device)
             losses: list = []
             sched.step(x, target=y, losses=losses) if place.feeds_batch(pp_rank) else sched.step()
-            want_losses: list[float] = []
-            for d in range(dp_size):  # data parallelism averages the gradient over replicas
-                dl = reference_step(reference, *batch(step, n, d, device), n, scale_grads)
-                want_losses = dl if d == dp_index else want_losses
-            if dp_size > 1:
-                for p in reference.parameters():
-                    p.grad /= dp_size
+            want_losses = replicas_reference_step(reference, step, n, dp_index, dp_size, device, scale_grads)
             if holds_loss:
-                got = [loss.item() for loss in losses]
-                assert len(got) == n, f"expected {n} losses, got {len(got)}"
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want_losses), rtol=RTOL, atol=ATOL)
-                result["loss_err"] = max(result["loss_err"], max(abs(a - b) for a, b in zip(got, want_losses)))
+                err = _compared(mismatches, lambda: loss_error(losses, want_losses, n))
+                result["loss_err"] = max(result["loss_err"], err)
                 result["losses_checked"] += n
-            result["grad_err"] = max(result["grad_err"], grad_error(modules, reference, f"step {step}"))
+            with _grad_off(modules, grad_fault):
+                err = _compared(mismatches, lambda: grad_error(modules, reference, f"step {step}"))
+            result["grad_err"] = max(result["grad_err"], err)
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
         if place.bidirectional:
-            result["twin_parts"] = twins_identical(modules, place, group)
+            result["twin_parts"] = _compared(mismatches, lambda: twins_identical(modules, place, group))
+        assert not mismatches, mismatches[0]
     except AssertionError as err:
         raise AssertionError(f"{err}\n{schedule} pp={pp} n={n}, pipeline rank {pp_rank}; order:\n"
                              f"{_format_pipeline_order(sched.pipeline_order)}") from None
