@@ -17,6 +17,8 @@ COMMAND_MODULES = (
     "titan_dualpipe.launch",  # train (torchtitan is imported only when it runs)
     "titan_dualpipe.sim.cli",  # simulate, draw
     "titan_dualpipe.sim.profile",  # profile
+    "titan_dualpipe.gpu_kit",  # gpu-kit (every part runs in a subprocess)
+    "titan_dualpipe.titan.matrix",  # matrix (torchtitan runs in subprocesses)
 )
 
 
