@@ -1286,3 +1286,27 @@ def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
         with pytest.raises(ValueError, match="give --comm-ratio 0"):
             bench._check(args)
         assert bench._check(argparse.Namespace(**{**vars(args), "comm_ratio": 0.0}))
+
+
+def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
+    """The composability matrix (titan-dualpipe matrix): both schedules on every layout, DualPipe's
+    twins folded and exchanged where FSDP can fold them; a cell fails on any rank's step off the
+    reference by more than its tolerance."""
+    from titan_dualpipe.titan import matrix
+
+    names = [c.name for c in matrix.cells()]
+    for layout in matrix.LAYOUTS:
+        assert f"{layout.name} DualPipeV" in names and f"{layout.name} DualPipe (exchanged twins)" in names
+        assert (f"{layout.name} DualPipe (folded twins)" in names) == layout.folds
+    reference = {1: (8.0, 2.0), 2: (7.0, 1.5)}
+    same = {0: dict(reference), 3: dict(reference)}
+    assert matrix.compare(same, reference, steps=2, rel=1e-4).startswith("OK")
+    off = {0: dict(reference), 3: {1: (8.0, 2.0), 2: (7.0, 1.5 * (1 + 2e-4))}}
+    assert matrix.compare(off, reference, steps=2, rel=1e-4).startswith("rank 3 step 2 grad_norm")
+    assert matrix.compare({0: {1: (8.0, 2.0)}}, reference, steps=2, rel=1e-4) == "rank 0 logged steps [1]"
+    table = matrix.markdown([matrix.Outcome("tp DualPipe (exchanged twins)", "0.2.2", True, "OK (worst rel 1e-05)")])
+    assert "| tp | DualPipe (exchanged twins) | 0.2.2 | tested on CPU: OK" in table and "| cp |" in table
+    assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "exchanged"), registry=False)[1] == {
+        "TITAN_DUALPIPE_FOLD_TWINS": "0"}
+    assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "folded"), registry=True)[0] == (
+        "--parallelism.spmd_backend", "partial_dtensor")
