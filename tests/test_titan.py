@@ -1310,3 +1310,18 @@ def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
         "TITAN_DUALPIPE_FOLD_TWINS": "0"}
     assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "folded"), registry=True)[0] == (
         "--parallelism.spmd_backend", "partial_dtensor")
+
+
+def test_twins_are_not_folded_under_context_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP shards over dp_shard x cp with context parallelism, a layout no CPU run can check:
+    DualPipe's twins are then summed by the exchange, and its log line says why."""
+    from types import SimpleNamespace
+
+    from titan_dualpipe.titan import fold, pipeline
+
+    monkeypatch.delenv(fold.FOLD_ENV, raising=False)
+    dims = dict(pp=2, dp_replicate=1, fsdp_enabled=True, ep_enabled=False)
+    assert fold.applies(SimpleNamespace(**dims, cp=1))
+    assert not fold.applies(SimpleNamespace(**dims, cp=2))
+    config = SimpleNamespace(context_parallel_degree=2)
+    assert "context parallelism" in pipeline._twins_note("DualPipe", config)

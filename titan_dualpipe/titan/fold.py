@@ -116,10 +116,16 @@ def exchange_backend(config: Any) -> str | None:
     return None if backend == FOLDING_BACKEND else backend
 
 
+def context_parallel(dims: Any) -> int:
+    """The context-parallel degree of a ParallelDims (``cp``) or a parallelism config."""
+    return int(getattr(dims, "cp", None) or getattr(dims, "context_parallel_degree", 1) or 1)
+
+
 def applies(dims: Any) -> bool:
     """Folding can apply: torchtitan will apply FSDP, looking its meshes up by name, and the
-    layout has twins."""
-    return (fold_enabled() and exchange_backend(dims) is None
+    layout has twins. Not with context parallelism: FSDP then shards over dp_shard x cp, a
+    layout no CPU run can check (no CPU attention sharding rule), so its twins are exchanged."""
+    return (fold_enabled() and exchange_backend(dims) is None and context_parallel(dims) == 1
             and dims.pp >= 2 and dims.pp % 2 == 0 and (dims.fsdp_enabled or dims.ep_enabled))
 
 

@@ -110,6 +110,8 @@ def _twins_note(name: str, par: Any) -> str:
     if ACTIVE.folded:
         return ", twins folded into FSDP"
     backend = fold.exchange_backend(par)
+    if fold.context_parallel(par) > 1:
+        return ", twins summed by an exchange (context parallelism: folding them into FSDP is untested there)"
     if backend is None:
         return ", twins summed by an exchange"
     return (f", twins summed by an exchange (spmd_backend={backend}; with {fold.FOLDING_BACKEND} they are folded "
