@@ -13,6 +13,7 @@ import copy
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -261,3 +262,37 @@ def test_bench_overlap_runs_on_this_device():
     result = measure(cfg)
     for name in ("overlap", "overlap_relay", "sequential", "torch_dualpipev"):
         assert result[f"step_time_{name}"] > 0 and result[f"exposed_comm_{name}"] >= 0
+
+
+def _queue_delay(seconds: float):
+    """A forward pre-hook that queues ``seconds`` of work on the stages' device: on the GPU a sleep
+    kernel on the current stream (the host returns at once), on the CPU a plain sleep."""
+    if DEVICE.type != "cuda":
+        return lambda module, args: time.sleep(seconds)
+    from titan_dualpipe.overlap.comm import GpuDelay
+
+    cycles = int(seconds * GpuDelay(DEVICE).cycles_per_s)
+    return lambda module, args: torch.cuda._sleep(cycles)
+
+
+def test_the_timeline_times_the_work_on_the_device():
+    """Every forward queues 20 ms of device work that the host does not wait for: an action
+    holding a forward lasts that long on the timeline only if it is timed on the device."""
+    from titan_dualpipe._compat import F, OVERLAP_F_B
+
+    delay, n = 0.02, 4
+    _, modules, sched = build_pipeline("DualPipeV", 1, n, _group(), 0, device=DEVICE, record_timeline=True)
+    x, y = batch(0, n, device=DEVICE)
+    sched.step(x, target=y)  # shapes inferred, before any delay
+    for module in modules.values():
+        module.register_forward_pre_hook(_queue_delay(delay))
+    start = time.perf_counter()
+    sched.step(x, target=y)
+    wall = time.perf_counter() - start
+    ran = sched.timeline
+    assert [t.action for t in ran] == list(sched.pipeline_order[0])
+    assert all(0 <= t.start <= t.end <= wall for t in ran)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(ran, ran[1:]))
+    forwards = [t for t in ran if t.action.computation_type in (F, OVERLAP_F_B)]
+    assert len(forwards) == 2 * n
+    assert all(t.end - t.start >= 0.9 * delay for t in forwards), [(str(t.action), t.end - t.start) for t in forwards]

@@ -8,8 +8,11 @@ tokens per second (all data-parallel replicas), peak memory (CUDA: torch's alloc
 the process's resident peak), the expert all-to-all time left exposed per step (mean over
 ranks), and where a step's time goes (``phases``: the pipeline step, split for our schedules
 into compute, pipeline p2p, FSDP gathers and reductions and DualPipe's twin exchange; then
-gradient clipping, the optimizer step and the rest). Each round runs every schedule once, each
-round in a rotated order, so drifts of the machine fall on all schedules alike.
+gradient clipping, the optimizer step and the rest). On a GPU the step, its phases and the
+exposed time are timed with CUDA events on the compute stream (the host only queues the kernels),
+resolved with one synchronize after each step; on the CPU with the host clock. Each round runs
+every schedule once, each round in a rotated order, so drifts of the machine fall on all
+schedules alike.
 
 Emulated network (CPU): each expert all-to-all costs ``R`` times the compute it is compared
 with, as in ``bench overlap``: a first 1F1B run times every MoE block's forward and backward,

@@ -26,7 +26,6 @@ What each action does (stage ``s``, microbatch ``m``):
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -62,7 +61,7 @@ from .fsdp import fsdp_modules, unshard_all
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
 from .split_backward import SplitDecisions
-from .timeline import TimedAction
+from .timeline import StepClock, TimedAction, clock_for, span_seconds
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
 _HANDLERS: dict[Any, str] = {  # action type -> StepExecutor method
@@ -109,7 +108,12 @@ class StepExecutor:
         self.backward_at_weight: set[tuple[int, int]] = set()
         self.split = SplitDecisions(schedule.whole_backward_stages)
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
-        self._t0 = time.perf_counter()
+        # Timed on the stages' device (CUDA events on a GPU, where the host clock would time
+        # launches); the marks become seconds once the step is over (_resolve_timeline).
+        self._clock: StepClock | None = None
+        if schedule.record_timeline:
+            self._clock = clock_for(next(iter(self.stages.values())).device)
+        self._spans: list[tuple[_Action, Any, Any]] = []
 
     # -- driver ---------------------------------------------------------------------------
     def run(self, actions: list[_Action]) -> None:
@@ -132,6 +136,7 @@ class StepExecutor:
             while self.sends:
                 send, works = self.sends.pop()
                 self._wait(works, send)
+            self._resolve_timeline()
         except BaseException as err:
             self._report(err, actions, action)
             raise
@@ -189,12 +194,21 @@ class StepExecutor:
                            f"(global rank {peer_global}) at {action}: {_first_line(err)}")
 
     def timed(self, action: _Action, fn: Callable[[], None]) -> None:
-        if self.timeline is None:
+        if self._clock is None:
             fn()
             return
-        start = time.perf_counter() - self._t0
+        start = self._clock.mark()
         fn()
-        self.timeline.append(TimedAction(self.rank, action, start, time.perf_counter() - self._t0))
+        self._spans.append((action, start, self._clock.mark()))
+
+    def _resolve_timeline(self) -> None:
+        """The step's spans as :class:`TimedAction` seconds since the executor started (on a GPU
+        after one synchronize, so the step's kernels are not held back while it runs)."""
+        if self._clock is None:
+            return
+        seconds = span_seconds(self._clock, [(start, end) for _, start, end in self._spans])
+        self.timeline = [TimedAction(self.rank, action, start, end)
+                         for (action, _, _), (start, end) in zip(self._spans, seconds)]
 
     # -- compute ----------------------------------------------------------------------------
     def forward(self, action: _Action) -> None:

@@ -10,7 +10,9 @@ Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the run
 - ``Trainer.train_step`` is timed, with the exposed exchange time of each step;
 - with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
   (the compute an exchange is compared with: ``--comm-ratio``);
-- each step is split into phases (seconds on this rank): ``schedule`` (the pipeline step),
+- each step is split into phases (seconds on this rank; on a GPU measured with CUDA events on
+  the current stream, as are the step and the exposed exchange time, since the host only
+  launches the kernels: :mod:`titan_dualpipe.runtime.timeline`): ``schedule`` (the pipeline step),
   within it for our schedules ``compute`` (F, B, I, W and overlapped pairs), ``p2p`` (posting
   and waiting for pipeline sends and receives), ``fsdp_gather``, ``fsdp_reduce`` and
   ``twin_sum`` (DualPipe's twin exchange); then ``clip``, ``optimizer`` and ``other`` (the
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
+from ..runtime.timeline import CpuClock, StepClock, clock_for, span_seconds
 from .generation import GEN
 
 
@@ -79,21 +82,60 @@ ACTION_PHASES = {"FORWARD": "compute", "FULL_BACKWARD": "compute", "BACKWARD_INP
                  "REDUCE_GRAD": "fsdp_reduce"}
 
 
+STEP, EXPOSED = "step", "exposed"  # spans besides the phases: the whole train step, exchange waits
+
+
 class _PhaseClock:
-    """Adds the seconds spent in wrapped calls to the current step's phases."""
+    """Spans of the wrapped calls of the current step, by phase, on the step's clock: the host
+    clock on the CPU; on a GPU, CUDA events (a phase is then the GPU time of the work queued
+    in it, not the time to launch it), resolved with one synchronize after the step."""
 
     def __init__(self) -> None:
-        self.current: Counter[str] = Counter()
+        self.clock: StepClock = CpuClock()
+        self.spans: list[tuple[str, Any, Any]] = []
+
+    def start_step(self, device: Any) -> None:
+        self.clock, self.spans = clock_for(device), []
 
     def timed(self, phase: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.clock.mark()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.current[phase(*args) if callable(phase) else phase] += time.perf_counter() - start
+                self.spans.append((phase(*args) if callable(phase) else phase, start, self.clock.mark()))
 
         return call
+
+    def totals(self) -> Counter[str]:
+        """Seconds per phase of the step just run."""
+        totals: Counter[str] = Counter()
+        seconds = span_seconds(self.clock, [(start, end) for _, start, end in self.spans])
+        for (phase, _, _), (start, end) in zip(self.spans, seconds):
+            totals[phase] += end - start
+        return totals
+
+
+def _time_exposed(stats: Any, clock: _PhaseClock) -> None:
+    """Time every exchange wait on the step's clock: on a GPU the wait only makes the compute
+    stream wait, so the exposed time is that stream's stall, not the host's time in the call."""
+    stats.wait_until = clock.timed(EXPOSED, stats.wait_until)
+
+
+def _record_step(record: _Record, totals: Counter[str]) -> None:
+    """The step's time, its exposed exchange time and its phases (``other``: the rest of the step)."""
+    step = totals.pop(STEP)
+    record.step_s.append(step)
+    record.exposed_s.append(totals.pop(EXPOSED, 0.0))
+    phases = dict(totals)
+    phases["other"] = step - sum(phases.get(k, 0.0) for k in ("schedule", "clip", "optimizer"))
+    record.phases.append(phases)
+
+
+def _device(trainer: Any) -> Any:
+    """Where the trainer computes (torchtitan's ``Trainer.device``)."""
+    device = getattr(trainer, "device", None)
+    return device if device is not None else next(trainer.model_parts[0].parameters()).device
 
 
 def _time_phases(trainer: Any, clock: _PhaseClock) -> None:
@@ -145,6 +187,7 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
     if cost is not None:
         cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "0") == "1"
     record, clock = _Record(), _PhaseClock()
+    _time_exposed(cost.stats, clock)
 
     for trainer_class in trainer_classes():
         original_step, original_close = trainer_class.train_step, trainer_class.close
@@ -154,14 +197,9 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
                 _time_phases(self, clock)
                 if calibrate:
                     _time_blocks(self.model_parts, record)
-            waited, start = cost.stats.waited_s, time.perf_counter()
-            clock.current.clear()
-            result = _original(self, *args, **kwargs)
-            record.step_s.append(time.perf_counter() - start)
-            record.exposed_s.append(cost.stats.waited_s - waited)
-            phases = dict(clock.current)
-            phases["other"] = record.step_s[-1] - sum(phases.get(k, 0.0) for k in ("schedule", "clip", "optimizer"))
-            record.phases.append(phases)
+            clock.start_step(_device(self))
+            result = clock.timed(STEP, _original)(self, *args, **kwargs)
+            _record_step(record, clock.totals())
             record.tokens_per_step = _tokens_per_step(self)
             return result
 
