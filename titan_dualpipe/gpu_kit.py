@@ -1,0 +1,299 @@
+"""``titan-dualpipe gpu-kit REPORT.md [--parts ...] [--dry-run]``: everything one GPU can prove,
+in one command, written up as a short Markdown report.
+
+Parts (``--dry-run`` prints their command lines):
+
+- ``tests/gpu``: the GPU test suite (pytest), NCCL in a group of one rank;
+- ``check``: ``check --nproc 1 --backend nccl``, the numerics suite;
+- ``bench overlap``: ``bench overlap --device cuda --pp 1 --ep 1``, the overlap benchmark;
+- ``train``: torchtitan trains the llama3 debug model on the GPU. NCCL refuses two ranks on one
+  GPU, so one GPU is one rank, and torchtitan builds a pipeline schedule only when
+  ``pipeline_parallel_degree`` > 1: no torchtitan run of DualPipe or DualPipeV fits one GPU. The
+  closest valid layout is ``debug_dualpipev`` with ``pipeline_parallel_degree`` 1 (this package
+  loaded into the trainer, no pipeline). Our schedules on the GPU, DualPipeV's two stages on one
+  rank, are ``tests/gpu`` and ``check``;
+- ``bench titan``: the same one-GPU run under ``bench titan``: its step, phases and exposed
+  communication timed with CUDA events.
+
+Each part runs as a subprocess in a session of its own, with a timeout: a hang stops that part
+(its process group is terminated) and the next part runs. Output goes to ``REPORT_logs/``.
+The exit status is 1 when any part failed. Without CUDA the command says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .torchtitan_version import REGISTRY_RELEASES, installed
+
+ROOT = Path(__file__).resolve().parent.parent  # tests/gpu and train_configs/ are relative to the checkout
+TRAIN_TOML = "train_configs/debug_dualpipev.toml"
+TRAIN_NAME = "debug_dualpipev"  # torchtitan 0.3.0: a config_registry function
+TRAIN_MODULE = "titan_dualpipe.titan"
+ONE_RANK = ("--parallelism.pipeline_parallel_degree", "1")
+TRAIN_STEPS = 20
+TAIL_LINES = 20  # of a failed part's output, in the report
+STOP_GRACE_S = 40  # after SIGTERM: torchrun's agent stops its workers, then everything gets SIGKILL
+CPU_STAND_IN_ENV = "TITAN_DUALPIPE_GPU_TESTS_ON_CPU"  # tests/gpu on the CPU: never in the kit
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    argv: tuple[str, ...]
+    timeout_s: int
+    proves: str  # one line in the report
+    figures: Callable[[str], str]  # key figures from its stdout then stderr; may raise (the report says so)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    part: Part
+    returncode: int | None  # None: timed out
+    seconds: float
+    figures: str
+    tail: str  # the end of its output when it failed
+    log: str  # where its stdout and stderr are
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def status(self) -> str:
+        if self.returncode is None:
+            return f"FAIL (timed out after {self.part.timeout_s} s)"
+        return "pass" if self.passed else f"FAIL (exit {self.returncode})"
+
+
+# -- key figures of each part, from its output ---------------------------------------------------
+def pytest_figures(out: str) -> str:
+    """pytest's summary line (``14 passed in 80.1s``)."""
+    lines = [ln.strip(" =") for ln in out.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    return lines[-1]
+
+
+def _json_object(out: str) -> dict:
+    """The JSON object a ``--json`` command printed (at its first line that opens one; what follows
+    it, such as warnings on stderr, is left out)."""
+    start = re.search(r"^\{", out, re.MULTILINE)
+    return json.JSONDecoder().raw_decode(out, start.start())[0]
+
+
+def check_figures(out: str) -> str:
+    cases = _json_object(out)["cases"]
+    passed = sum(bool(c["passed"]) for c in cases)
+    grad = max(float(c["grad_err"]) for c in cases)
+    loss = max(float(c["loss_err"]) for c in cases)
+    return f"{passed}/{len(cases)} cases pass; max grad err {grad:.1e}, max loss err {loss:.1e}"
+
+
+def overlap_figures(out: str) -> str:
+    result = _json_object(out)
+    names = [k[len("step_time_"):] for k in result if k.startswith("step_time_")]
+    steps = ", ".join(f"{n} {result['step_time_' + n] * 1e3:.1f}" for n in names)
+    exposed = ", ".join(f"{n} {result['exposed_comm_' + n] * 1e3:.1f}" for n in names)
+    return (f"overlap/sequential {result['overlap_vs_sequential']:.3f}; ms/step: {steps}; "
+            f"exposed comm ms/step: {exposed}; {result['network']['exchange_ms']:.2f} ms per all-to-all")
+
+
+def train_figures(out: str) -> str:
+    """First and last logged loss, and the last step's throughput and memory (torchtitan's log)."""
+    steps = re.findall(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?memory:\s*(\S+).*?tps:\s*([\d,]+)", ANSI.sub("", out))
+    (first, first_loss, _, _), (last, last_loss, memory, tps) = steps[0], steps[-1]
+    return f"loss {first_loss} (step {first}) -> {last_loss} (step {last}); tps {tps}; memory {memory}"
+
+
+def bench_titan_figures(out: str) -> str:
+    result = _json_object(out)
+    (label, s), = result["schedules"].items()
+    phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in result["phases"][label].items())
+    return (f"{s['step_time'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tokens/s, exposed comm "
+            f"{s['exposed_comm'] * 1e3:.2f} ms; phases ms: {phases} (CUDA events)")
+
+
+# -- the parts ----------------------------------------------------------------------------------
+def _cli(*args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "titan_dualpipe", *args)
+
+
+def _train_config() -> tuple[str, ...]:
+    """The debug config as the installed torchtitan names it (a TOML for 0.2.2, a registry name after)."""
+    if installed("torchtitan") in REGISTRY_RELEASES:
+        return TRAIN_NAME, "--module", TRAIN_MODULE
+    return (TRAIN_TOML,)
+
+
+def _dump_flag() -> str:
+    return "--dump_folder" if installed("torchtitan") in REGISTRY_RELEASES else "--job.dump_folder"
+
+
+def parts(logs: Path) -> list[Part]:
+    config = _train_config()
+    return [
+        Part("tests/gpu", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"), 600,
+             "schedules, overlapped pairs (protocol, relay, AC), FSDP2, CSV orders, device checks and timing, "
+             "NCCL on one rank", pytest_figures),
+        Part("check", _cli("check", "--nproc", "1", "--backend", "nccl", "--json"), 420,
+             "the numerics suite against a non-pipelined reference, NCCL order", check_figures),
+        Part("bench overlap", _cli("bench", "overlap", "--device", "cuda", "--pp", "1", "--ep", "1", "--json"), 420,
+             "MoE all-to-all overlap in DualPipeV pairs (emulated network: a sleep kernel on a side stream)",
+             overlap_figures),
+        Part("train", _cli("train", *config, "--nproc", "1", *ONE_RANK, "--training.steps", str(TRAIN_STEPS),
+                           _dump_flag(), str(logs / "train_dump")), 420,
+             "torchtitan trains the llama3 debug model with this package loaded (pp 1: no pipeline fits one GPU)",
+             train_figures),
+        Part("bench titan", _cli("bench", "titan", *config, "--nproc", "1", "--comm-ratio", "0", "--schedules", "1F1B",
+                                 "--rounds", "1", "--steps", "6", "--warmup", "2", "--json", *ONE_RANK), 420,
+             "bench titan's device timing (pp 1: every schedule runs the same unpipelined step)",
+             bench_titan_figures),
+    ]
+
+
+# -- running them -------------------------------------------------------------------------------
+def _stop(proc: subprocess.Popen) -> None:
+    """End a part that ran out of time: its whole process group (it runs in a session of its own)."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def run_part(part: Part, logs: Path) -> Outcome:
+    out_path, err_path = logs / f"{_slug(part.name)}.out", logs / f"{_slug(part.name)}.err"
+    start = time.perf_counter()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(part.argv, cwd=ROOT, stdout=out, stderr=err, start_new_session=True, env=_env())
+        try:
+            code: int | None = proc.wait(timeout=part.timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            code = None
+    seconds = time.perf_counter() - start
+    output = out_path.read_text(errors="replace") + "\n" + err_path.read_text(errors="replace")
+    try:
+        figures = part.figures(output)
+    except Exception as err:  # noqa: BLE001 - missing figures are reported, not raised
+        figures = f"(no figures: {type(err).__name__})"
+    tail = "" if code == 0 else _tail(output)
+    return Outcome(part, code, seconds, figures, tail, f"{out_path} / {err_path.name}")
+
+
+def _env() -> dict[str, str]:
+    """This environment, output unbuffered (a stopped part keeps what it printed), GPU tests on the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != CPU_STAND_IN_ENV}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+def _tail(text: str) -> str:
+    return "\n".join(ANSI.sub("", text).rstrip().splitlines()[-TAIL_LINES:])
+
+
+# -- the report ---------------------------------------------------------------------------------
+def report(outcomes: list[Outcome], machine: dict[str, str], wall_s: float) -> str:
+    verdict = "PASS" if all(o.passed for o in outcomes) else "FAIL"
+    lines = [f"# titan_dualpipe GPU kit: {verdict}", ""]
+    lines += [f"- {key}: {value}" for key, value in machine.items()]
+    lines += [f"- wall time: {wall_s:.0f} s", "", "| part | result | wall s | key figures |", "|---|---|---|---|"]
+    lines += [f"| {o.part.name} | {o.status} | {o.seconds:.0f} | {o.figures.replace('|', '/')} |" for o in outcomes]
+    for o in outcomes:
+        lines += ["", f"## {o.part.name}: {o.status}", "", o.part.proves, "", "```", shlex.join(o.part.argv), "```",
+                  "", f"{o.seconds:.1f} s; {o.figures}; log: `{o.log}`"]
+        if o.tail:
+            lines += ["", "```", o.tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def machine_facts() -> dict[str, str]:
+    """What the figures were measured on (CUDA must be there)."""
+    import torch
+
+    return {"GPU": f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible)",
+            "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+            "torchtitan": installed("torchtitan") or "not installed", "commit": _commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        build = torch.version.cuda or "none"
+        raise ValueError(f"no CUDA device here (torch {torch.__version__}, CUDA build: {build}): "
+                         "run it on a machine with a GPU; --dry-run lists the commands")
+
+
+def _selected(all_parts: list[Part], names: str | None) -> list[Part]:
+    if names is None:
+        return all_parts
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = set(wanted) - {p.name for p in all_parts}
+    if unknown or not wanted:
+        known = ", ".join(p.name for p in all_parts)
+        raise ValueError(f"--parts: unknown {sorted(unknown) or wanted}; choose from {known}")
+    return [p for p in all_parts if p.name in wanted]
+
+
+def logs_dir(report_path: Path) -> Path:
+    return report_path.with_name(report_path.stem + "_logs")
+
+
+def run(args: argparse.Namespace) -> int:
+    report_path = Path(args.report or "gpu_kit_report.md").resolve()
+    chosen = _selected(parts(logs_dir(report_path)), args.parts)
+    if args.dry_run:
+        for part in chosen:
+            print(f"# {part.name} (timeout {part.timeout_s} s)\n{shlex.join(part.argv)}")
+        return 0
+    if args.report is None:
+        raise ValueError("give the report's path, e.g. titan-dualpipe gpu-kit gpu_report.md")
+    _require_cuda()
+    logs_dir(report_path).mkdir(parents=True, exist_ok=True)
+    machine, start, outcomes = machine_facts(), time.perf_counter(), []
+    for part in chosen:
+        print(f"gpu-kit: {part.name} ...", flush=True)
+        outcomes.append(run_part(part, logs_dir(report_path)))
+        print(f"gpu-kit: {part.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.0f} s)", flush=True)
+        # rewritten after every part: a kit stopped from outside still leaves what it proved
+        report_path.write_text(report(outcomes, machine, time.perf_counter() - start))
+    print(f"gpu-kit: report written to {report_path}")
+    return 0 if all(o.passed for o in outcomes) else 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from .cli import HelpFormatter
+
+    p = subparsers.add_parser("gpu-kit", help="everything one GPU can prove, with a Markdown report",
+                              description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("report", nargs="?", default=None, help="where to write the Markdown report")
+    p.add_argument("--parts", default=None, help="comma-separated subset of: tests/gpu, check, bench overlap, "
+                                                 "train, bench titan (default: all)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands it would run, run nothing")
+    p.set_defaults(func=run)
