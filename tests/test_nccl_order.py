@@ -1,22 +1,27 @@
-"""Communication order under NCCL's semantics: no buffering, one FIFO per communicator.
+"""Communication order under NCCL's semantics: no buffering, one FIFO per communicator,
+communicators created lazily at their first use (a rendezvous of their ranks).
 
 gloo buffers sends, so an order can pass every CPU test and hang on GPUs. The planned
 orders (every schedule, pp up to 8, receives deferred or not, both ways torch posts lone
 ops) and the communication the runtime really posts (recorded during real CPU steps: early
-sends, overlapped pairs, twins, losses, FSDP included) must complete under
-:mod:`titan_dualpipe.orders.nccl_model`; an order that gloo runs but NCCL would not fails.
+sends, overlapped pairs, twins, losses, FSDP, expert-parallel MoE exchanges from both threads
+of a relay included) must complete under :mod:`titan_dualpipe.orders.nccl_model`; an order
+that gloo runs but NCCL would not fails. The pipeline's pair communicators are created before
+the first action of the first step, not mid-schedule.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import moe_trace_cases
 import pipeline_cases as cases
 from dist_pool import WorkerPool
 from titan_dualpipe import _compat, compute_order, placement
 from titan_dualpipe.orders.lowering import lower
 from titan_dualpipe.orders.nccl_model import (
-    RECV, SEND, Deadlock, P2P, Post, Wait, check_completes, describe, group_comm, pair_comm, planned_trace,
+    RECV, SEND, Collective, Deadlock, P2P, Post, Trace, Wait, check_completes, communicators, describe, first_uses,
+    group_comm, pair_comm, planned_trace,
 )
 
 WORLD = 4
@@ -74,8 +79,52 @@ def test_the_model_has_no_buffer():
                              Post(1, comm, (P2P(SEND, 0, "b"),))]
     waits_for_own_recv[2] = [Post(0, pair_comm("pp", 0, 2), (P2P(RECV, 0, "c"),)), Wait(0),
                              Post(1, pair_comm("pp", 1, 2), (P2P(SEND, 1, "d"),))]
-    with pytest.raises(Deadlock, match="waits for its own earlier kernels"):
+    with pytest.raises(Deadlock, match="waits for its own earlier kernels"):  # communicators made beforehand
+        check_completes(waits_for_own_recv, created=communicators(waits_for_own_recv))
+    with pytest.raises(Deadlock, match="host blocked creating"):  # each rank's first pair is another's second
         check_completes(waits_for_own_recv)
+
+
+def test_lazy_communicator_creation_is_a_rendezvous():
+    """Three ranks, each pair talks once: with the communicators created beforehand it
+    completes; created at first use, each rank's host waits in its first creation for a peer
+    that waits in another: a cycle, as NCCL's lazy init would hang."""
+    def post(work: int, kind: str, me: int, peer: int, message: str) -> Post:
+        return Post(work, pair_comm("pp", me, peer), (P2P(kind, peer, message),))
+
+    trace: Trace = {
+        0: [post(0, SEND, 0, 1, "a"), post(1, RECV, 0, 2, "c")],
+        1: [post(0, SEND, 1, 2, "b"), post(1, RECV, 1, 0, "a")],
+        2: [post(0, SEND, 2, 0, "c"), post(1, RECV, 2, 1, "b")],
+    }
+    assert check_completes(trace, created=communicators(trace)) >= 1
+    blocked = r"rank 0: host blocked creating \('pair', 'pp', 0, 1\).*rank\(s\) \[1\] not there"
+    with pytest.raises(Deadlock, match=blocked):
+        check_completes(trace)
+    # the same pairs taken in one global order (lower rank, higher rank) on every rank: it completes
+    ordered = {r: sorted(events, key=lambda e: e.comm[2:]) for r, events in trace.items()}
+    ordered = {r: [Post(i, e.comm, e.ops) for i, e in enumerate(events)] for r, events in ordered.items()}
+    assert check_completes(ordered) >= 1
+    assert first_uses(ordered)[2] == {pair_comm("pp", 0, 2): 0, pair_comm("pp", 1, 2): 1}
+
+
+def test_a_group_communicator_is_created_by_all_its_members():
+    """A batch on a group's communicator that is its first use there needs every member of the
+    group (NCCL's lazy init of the group's communicator is a collective): members that never
+    come make it hang, members that post a collective on it complete it."""
+    comm = group_comm("pp")
+
+    def swap(peer: int) -> Post:  # one batch_isend_irecv on the group's communicator of ranks 0, 1, 2
+        return Post(0, comm, (P2P(SEND, peer, "x"), P2P(RECV, peer, "x")), "", (0, 1, 2))
+
+    trace: Trace = {0: [swap(1)], 1: [swap(0)], 2: []}
+    with pytest.raises(Deadlock, match=r"ranks \[0, 1, 2\]\): rank\(s\) \[2\] not there"):
+        check_completes(trace)
+    assert check_completes(trace, created=[comm]) == 1
+    everyone = Post(0, comm, (Collective("all_reduce", (0, 1, 2)),))
+    joined = {r: [everyone, *[Post(1, e.comm, e.ops, e.label, e.members) for e in events]]
+              for r, events in trace.items()}
+    assert check_completes(joined) >= 1
 
 
 def test_torch_deferral_would_hang_on_nccl():
@@ -147,3 +196,70 @@ def test_every_collective_gets_tensors_on_the_stage_device(pool, schedule, pp, n
     land on meta here, and any collective or p2p op given one fails the case."""
     ran = [r for r in pool.run(cases.steps_with_collectives_on_stage_device, schedule=schedule, pp=pp, n=n, **kwargs) if r]
     assert ran and all(r["collectives"] > 0 for r in ran)
+
+
+def test_functional_collectives_are_recorded_from_every_thread(pool):
+    """torch.ops._c10d_functional collectives (torchtitan's expert parallelism, DTensor, our relayed
+    exchange) are recorded on their group's communicator with their waits: from the recording
+    thread, from another thread, and when torch calls them from C++ (the autograd all-to-all)."""
+    ran = [r for r in pool.run(moe_trace_cases.functional_collectives_recorded) if r]
+    assert len(ran) == WORLD
+    for r in ran:
+        posts = [e for e in r["events"] if isinstance(e, Post)]
+        waited = {e.work for e in r["events"] if isinstance(e, Wait)}
+        # funcol on this thread, the relayed exchange on another, autograd forward and its backward
+        assert [(p.comm, p.ops[0].name, p.members) for p in posts] == [
+            (r["ep_comm"], "all_to_all_single", r["ep_members"])] * 4, describe({r["rank"]: r["events"]})
+        assert waited == {p.work for p in posts}
+    check_completes({r["rank"]: r["events"] for r in ran})
+
+
+def _pair_communicators_created_late(trace: Trace) -> dict[int, list]:
+    """Per rank, the pair communicators whose first use (their lazy creation) comes at or after
+    the rank's first post made by a schedule action (posts outside actions have no label)."""
+    late = {}
+    for rank, firsts in first_uses(trace).items():
+        events = trace[rank]
+        first_action = next((i for i, e in enumerate(events) if isinstance(e, Post) and e.label), len(events))
+        late[rank] = [(c, events[i].label) for c, i in firsts.items() if c[0] == "pair" and i >= first_action]
+    return {r: v for r, v in late.items() if v}
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 4, 8), ("DualPipe", 4, 8), ("DualPipeV", 2, 4)])
+def test_pair_communicators_are_created_before_the_first_action(pool, schedule, pp, n):
+    """torch 2.13+ posts one-direction batches as lone ops on two-rank communicators, which NCCL
+    creates at first use (blocking both ranks). A recorded first step creates every one of them
+    before the first action posts, and the steps complete with every communicator created lazily."""
+    ran = [r for r in pool.run(cases.recorded_step_trace, schedule=schedule, pp=pp, n=n) if r]
+    trace = {r["rank"]: r["events"] for r in ran}
+    assert any(c[0] == "pair" for c in communicators(trace)), "no lone p2p recorded: nothing to check"
+    assert not _pair_communicators_created_late(trace), _pair_communicators_created_late(trace)
+    try:
+        check_completes(trace)
+    except Deadlock as err:
+        raise AssertionError(f"{err}\n{describe(trace)}") from None
+
+
+@pytest.mark.parametrize("module", ["ours", "relay", "titan"])
+@pytest.mark.parametrize("schedule,n", [("DualPipeV", 4), ("DualPipe", 4)])
+def test_recorded_moe_step_completes_without_buffering(pool, schedule, n, module):
+    """Expert parallel x pipeline (pp=2 x ep=2), overlap on: our MoE module (its protocol, and as
+    a relay) and torchtitan's MoE layer through the relay. The first step's traffic, expert-parallel
+    exchanges from both threads of a relay included, completes under NCCL's semantics with every
+    communicator created at its first use, the pair communicators before the first action."""
+    if module == "titan" and moe_trace_cases.titan_moe_available():
+        pytest.skip(moe_trace_cases.titan_moe_available())
+    ran = pool.run(moe_trace_cases.recorded_moe_step, schedule=schedule, n=n, module=module)
+    trace = {r["rank"]: r["events"] for r in ran}
+    for r in ran:
+        assert r["losses_finite"]
+        # forward: (count,) dispatch, combine; backward: their reverses, each microbatch of each layer
+        per_layer_mb = 5 if module == "titan" else 4
+        assert r["all_to_alls"] >= per_layer_mb * r["moe_layer_microbatches"], r
+        assert (r["hand_overs"] > 0) == (module != "ours"), r
+        assert r["ep_comm"] in first_uses(trace)[r["rank"]]
+    assert not _pair_communicators_created_late(trace), _pair_communicators_created_late(trace)
+    try:
+        check_completes(trace)
+    except Deadlock as err:
+        raise AssertionError(f"{err}\n{describe(trace)}") from None

@@ -5,25 +5,34 @@ GPUs. This model has no buffering. Each rank posts *kernels* (one ``isend``/``ir
 ``batch_isend_irecv`` group, or one collective) on a *communicator*; each (rank, communicator)
 runs its kernels one after the other (NCCL's stream), and a rank's ``wait`` on a kernel makes
 everything that rank posts afterwards wait for that kernel (the compute stream waits on it, and
-later kernels wait on the compute stream). Posting itself never blocks (NCCL's default).
+later kernels wait on the compute stream). Posting never blocks, except where it creates a
+communicator (below).
 
 - A point-to-point op completes when it and its match are both running: the n-th send from
   ``a`` to ``b`` on a communicator matches the n-th receive at ``b`` from ``a`` on it (FIFO).
 - The ops of one kernel progress together; the kernel ends when all of them completed.
 - A collective completes when every member's matching collective (the n-th on that
   communicator) is running.
+- Communicators are created lazily (NCCL without eager init, as torchtitan runs it): a rank's
+  first kernel on a communicator blocks that rank's host (it posts nothing more) until every
+  member of the communicator has reached its own first kernel on it, as
+  ``ncclCommInitRank`` is a collective over the members. Members: the two ranks of a pair
+  communicator; for a group's communicator the ranks named by ``Post.members``, else those of
+  its collectives and the ranks posting on it. ``check_completes(trace, created=...)`` names
+  communicators that exist before the trace (``communicators(trace)``: all of them).
 
-Which communicator torch uses: a ``batch_isend_irecv`` group and collectives use the process
-group's own communicator (one FIFO per rank for all its peers); a lone ``isend``/``irecv`` uses a
-two-rank communicator per pair of ranks (torch 2.13+ posts all-send or all-receive batches that
-way). :func:`check_completes` raises :class:`Deadlock` naming what every stuck rank waits for.
+Which communicator torch uses (lazy init): a ``batch_isend_irecv`` group, collectives and
+functional collectives (``torch.ops._c10d_functional``) use the process group's own communicator
+(one FIFO per rank for all its peers); a lone ``isend``/``irecv`` uses a two-rank communicator
+per pair of ranks of the group (torch 2.13+ posts all-send or all-receive batches that way).
+:func:`check_completes` raises :class:`Deadlock` naming what every stuck rank waits for.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence, Union
+from typing import Callable, Hashable, Iterable, Sequence, Union
 
 SEND, RECV = "send", "recv"
 
@@ -59,12 +68,14 @@ Op = Union[P2P, Collective]
 @dataclass(frozen=True)
 class Post:
     """Rank posts kernel ``work`` on communicator ``comm`` with these ops; ``label`` says where
-    in the program (e.g. the action) for error messages."""
+    in the program (e.g. the action) for error messages; ``members`` lists the communicator's
+    ranks (needed to create a group's communicator that this trace uses for p2p only)."""
 
     work: int
     comm: Hashable
     ops: tuple[Op, ...]
     label: str = ""
+    members: tuple[int, ...] = ()  # the communicator's global ranks, where not implied (see module docstring)
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class Deadlock(RuntimeError):
 @dataclass
 class _Kernel:
     rank: int
+    index: int  # position among this rank's kernels (its host posts them in this order)
     post: Post
     after: frozenset[int]  # works this rank waited for before posting it
     done_ops: set[int] = field(default_factory=set)
@@ -119,7 +131,7 @@ def _kernels(trace: Trace) -> tuple[dict[int, list[_Kernel]], dict[tuple[int, in
             if isinstance(event, Wait):
                 waited.add(event.work)
             elif event.ops:
-                kernel = _Kernel(rank, event, frozenset(waited))
+                kernel = _Kernel(rank, len(kernels), event, frozenset(waited))
                 kernels.append(kernel)
                 by_work[(rank, event.work)] = kernel
     return per_rank, by_work
@@ -173,10 +185,91 @@ def _match_collectives(collectives: dict[tuple, list], partners: dict) -> None:
                 partners[ref] = [o for o in others if o != ref]
 
 
-def check_completes(trace: Trace) -> int:
-    """Run ``trace`` under the model; return the number of rounds, or raise :class:`Deadlock`."""
+def communicators(trace: Trace) -> set[Hashable]:
+    """Every communicator ``trace`` posts on (pass as ``created`` to model them all as existing)."""
+    return {e.comm for events in trace.values() for e in events if isinstance(e, Post) and e.ops}
+
+
+def first_uses(trace: Trace) -> dict[int, dict[Hashable, int]]:
+    """Per rank, each communicator -> the index in the rank's events of its first post on it
+    (where lazy init creates it)."""
+    firsts: dict[int, dict[Hashable, int]] = {}
+    for rank, events in trace.items():
+        mine = firsts[rank] = {}
+        for i, event in enumerate(events):
+            if isinstance(event, Post) and event.ops:
+                mine.setdefault(event.comm, i)
+    return firsts
+
+
+def _comm_members(comm: Hashable, kernels: list[_Kernel]) -> tuple[int, ...]:
+    """The ranks that create ``comm`` together (see the module docstring)."""
+    if isinstance(comm, tuple) and comm[:1] == ("pair",):
+        return tuple(sorted({comm[2], comm[3]}))
+    named = {m for k in kernels for m in k.post.members}
+    if named:
+        return tuple(sorted(named))
+    ranks = {k.rank for k in kernels}
+    ranks |= {m for k in kernels for op in k.post.ops if isinstance(op, Collective) for m in op.members}
+    return tuple(sorted(ranks))
+
+
+class _Hosts:
+    """Where each rank's host is: it has posted its kernels before ``at[rank]``, and waits there
+    to create that kernel's communicator (or has posted everything)."""
+
+    def __init__(self, per_rank: dict[int, list[_Kernel]], created: Iterable[Hashable]) -> None:
+        self.per_rank = per_rank
+        self.created = set(created)
+        by_comm: dict[Hashable, list[_Kernel]] = defaultdict(list)
+        for kernels in per_rank.values():
+            for kernel in kernels:
+                by_comm[kernel.post.comm].append(kernel)
+        self.members = {comm: _comm_members(comm, ks) for comm, ks in by_comm.items()}
+        self.at = {rank: 0 for rank in per_rank}
+        for rank in per_rank:
+            self._advance(rank)
+
+    def _advance(self, rank: int) -> None:
+        kernels, i = self.per_rank[rank], self.at[rank]
+        while i < len(kernels) and kernels[i].post.comm in self.created:
+            i += 1
+        self.at[rank] = i
+
+    def blocked_on(self, rank: int) -> Hashable | None:
+        """The communicator this rank's host waits to create, if any (none for a rank not traced)."""
+        kernels, i = self.per_rank.get(rank, []), self.at.get(rank, 0)
+        return kernels[i].post.comm if i < len(kernels) else None
+
+    def posted(self, kernel: _Kernel) -> bool:
+        return kernel.index < self.at[kernel.rank]
+
+    def create_ready(self) -> bool:
+        """Create every communicator whose members all wait at its first use; whether any was."""
+        waiting = {self.blocked_on(r) for r in self.per_rank} - {None}
+        ready = [c for c in waiting if all(self.blocked_on(m) == c for m in self.members[c])]
+        for comm in ready:
+            self.created.add(comm)
+            for rank in self.members[comm]:
+                self._advance(rank)
+        return bool(ready)
+
+    def describe_block(self, rank: int) -> str:
+        comm = self.blocked_on(rank)
+        kernel = self.per_rank[rank][self.at[rank]]
+        absent = [m for m in self.members[comm] if self.blocked_on(m) != comm]
+        where = f" ({kernel.post.label})" if kernel.post.label else ""
+        return (f"rank {rank}: host blocked creating {comm} at its first use{where} (lazy init, a rendezvous of "
+                f"ranks {list(self.members[comm])}): rank(s) {absent} not there")
+
+
+def check_completes(trace: Trace, created: Iterable[Hashable] = ()) -> int:
+    """Run ``trace`` under the model; return the number of rounds, or raise :class:`Deadlock`.
+
+    Communicators not in ``created`` are created at their first use in ``trace`` (lazy init)."""
     per_rank, by_work = _kernels(trace)
     partners = _match(per_rank)
+    hosts = _Hosts(per_rank, created)
     queues: dict[tuple[int, Hashable], list[_Kernel]] = defaultdict(list)
     for rank, kernels in per_rank.items():
         for kernel in kernels:
@@ -185,14 +278,14 @@ def check_completes(trace: Trace) -> int:
 
     def running(kernel: _Kernel) -> bool:
         queue = queues[(kernel.rank, kernel.post.comm)]
-        return bool(queue) and queue[0] is kernel and all((kernel.rank, w) in ended for w in kernel.after
-                                                          if (kernel.rank, w) in by_work)
+        return bool(queue) and queue[0] is kernel and hosts.posted(kernel) and all(
+            (kernel.rank, w) in ended for w in kernel.after if (kernel.rank, w) in by_work)
 
     rounds = 0
     while any(queues.values()):
         rounds += 1
+        progress = hosts.create_ready()
         heads = [q[0] for q in queues.values() if q and running(q[0])]
-        progress = False
         for kernel in heads:
             for i in range(len(kernel.post.ops)):
                 if i in kernel.done_ops:
@@ -207,10 +300,19 @@ def check_completes(trace: Trace) -> int:
                 ended.add((key[0], queue.pop(0).post.work))
                 progress = True
         if not progress:
-            stuck = [f"rank {k.rank}: " + k.describe() + (" (waits for its own earlier kernels)" if not running(k) else "")
-                     for q in queues.values() if q for k in q[:1]]
-            raise Deadlock("posted communication cannot complete without buffering (NCCL):\n  " + "\n  ".join(stuck))
+            raise Deadlock("posted communication cannot complete without buffering (NCCL):\n  "
+                           + "\n  ".join(_stuck(queues, hosts, running)))
     return rounds
+
+
+def _stuck(queues: dict, hosts: _Hosts, running: Callable[[_Kernel], bool]) -> list[str]:
+    """One line per rank whose host waits to create a communicator, and per stuck kernel."""
+    lines = [hosts.describe_block(r) for r in sorted(hosts.per_rank) if hosts.blocked_on(r) is not None]
+    for q in queues.values():
+        if q and hosts.posted(q[0]):
+            own = "" if running(q[0]) else " (waits for its own earlier kernels)"
+            lines.append(f"rank {q[0].rank}: {q[0].describe()}{own}")
+    return lines
 
 
 def describe(trace: Trace, ranks: Iterable[int] | None = None) -> str:
