@@ -4,6 +4,8 @@ Both are ``PipelineScheduleMulti`` subclasses (through torch's ``_PipelineSchedu
 so CSV loading, ``eval()`` and the stage API are torch's) that execute their order with
 :class:`~titan_dualpipe.runtime.executor.StepExecutor`. Each rank passes its two
 ``PipelineStage`` objects, stage ids ``r`` and ``2*pp-1-r`` with ``num_stages=2*pp``.
+The first step creates the two-rank communicators its sends and receives run on before any
+action (``_create_pair_communicators``), so none is created lazily mid-schedule.
 """
 
 from __future__ import annotations
@@ -14,10 +16,16 @@ import torch
 import torch.distributed as dist
 
 from .._compat import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
     PipelineStage,
     TracedPipelineStage,
     _PipelineScheduleRuntime,
     _PipelineStageBase,
+    _batch_p2p,
+    _wait_batch_p2p,
     agreed_inference_mode,
     initialize_stages,
     schedule_kwargs,
@@ -26,6 +34,7 @@ from .._compat import (
     warm_up_neighbours,
 )
 from ..orders import compute_order, placement
+from ..orders.dataflow import peer_stage
 from ..orders.lowering import lower, validate_order
 from .timeline import TimedAction
 from .agreement import agree
@@ -279,11 +288,32 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:
         """torch's start-up exchange (2.12+). Stages from torch's tracer get torch's warm-up messages
         without those from a rank to itself (a V's turn, pp=1), which gloo rejects; ``PipelineStage``s
-        vote on their metadata-inference mode."""
+        vote on their metadata-inference mode. Then the pipeline's pair communicators are created."""
         if all(isinstance(stage, PipelineStage) for stage in stages):
             self._vote_inference_mode(stages, has_backward, p2p_done)
         elif not p2p_done:
             warm_up_neighbours(stages)
+        if not p2p_done:
+            self._create_pair_communicators()
+
+    def _create_pair_communicators(self) -> None:
+        """One message to every rank this rank's SEND/RECV actions exchange with, posted as the
+        executor posts them (torch's ``_batch_p2p``). From torch 2.13 a one-direction batch goes
+        as lone ops, which NCCL runs on a communicator per pair of ranks, created at its first use
+        and blocking both ranks until both get there; torch's own vote (a chain of sends) creates
+        them, ours (one all-reduce) does not, so step 1 would create them mid-schedule. Every rank
+        takes its pairs in one global order, by (lower rank, higher rank): the least pair not yet
+        created always has both ranks waiting at it, so creation cannot deadlock."""
+        me, place = self.rank, self.placement
+        comms = (SEND_F, RECV_F, SEND_B, RECV_B)
+        peers = {place.rank_of(peer_stage(a, place)) for a in self.pipeline_order_with_comms.get(me, [])
+                 if a is not None and a.computation_type in comms} - {me}
+        group, device = self._stages[0].group, self._stages[0].device
+        works: list[dist.Work] = []
+        for peer in sorted(peers, key=lambda p: (min(me, p), max(me, p))):
+            op = dist.isend if me < peer else dist.irecv
+            works += _batch_p2p([dist.P2POp(op, torch.zeros(1, device=device), group=group, group_peer=peer)])
+        _wait_batch_p2p(works)
 
     def _vote_inference_mode(self, stages, has_backward, p2p_done) -> None:
         super()._warmup_p2p(stages, has_backward, p2p_done)
