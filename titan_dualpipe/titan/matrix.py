@@ -2,7 +2,8 @@
 pipelining, trained end to end on the CPU with the installed torchtitan.
 
 Each cell trains a debug model a few steps under one layout (pp 2 times FSDP, HSDP, tensor
-parallel with and without loss parallel, expert parallel, expert x tensor parallel) with
+parallel with and without loss parallel, expert parallel, expert x tensor parallel: 0.2.2's
+expert tensor parallelism, 0.3.0's tensor-parallel dense layers beside expert-parallel experts) with
 DualPipeV or DualPipe (twins folded into FSDP or summed by an exchange), from a seed checkpoint
 (the same initial weights under any layout), and compares its logged losses and grad norms with a
 reference: torch's 1F1B from the same checkpoint on the layout without the cell's extra axis
@@ -63,9 +64,11 @@ LAYOUTS = (
     Layout("tp+loss_parallel", DENSE, 4, _TP, 2, (), folds=False, rel=1e-4),
     Layout("tp", DENSE, 4, (*_TP, *_NO_LP), 2, (), folds=False, rel=1e-4),
     Layout("ep", MOE, 4, (), 4, _NO_EP, folds=True, rel=1e-3),
-    Layout("ep+tp", MOE, 8, (*_TP, "--parallelism.expert_tensor_parallel_degree", "2"), 8, (*_TP, *_NO_EP),
+    Layout("ep+etp", MOE, 8, (*_TP, "--parallelism.expert_tensor_parallel_degree", "2"), 8, (*_TP, *_NO_EP),
            folds=True, rel=1e-3, generations=("0.2.2",),
            note="0.3.0 has no expert tensor parallelism (expert_tensor_parallel_degree)"),
+    Layout("ep+tp", MOE, 8, _TP, 8, (*_TP, *_NO_EP), folds=True, rel=1e-3, generations=("0.3.0",),
+           note="0.2.2: see ep+etp (its experts take the tensor-parallel degree)"),
 )
 UNSUPPORTED = {
     "cp": "context parallelism: torch has no CPU sharding rule for scaled_dot_product_attention (1F1B fails "
