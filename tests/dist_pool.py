@@ -117,3 +117,17 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
+
+
+def one_rank_process_group():
+    """A generator for a module fixture: this process as a gloo group of one rank (yields the
+    group); skips when the process already has a group."""
+    import pytest
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    yield dist.distributed_c10d._get_default_group()
+    dist.destroy_process_group()

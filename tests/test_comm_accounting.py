@@ -9,15 +9,14 @@ only when a benchmark asks.
 
 from __future__ import annotations
 
-import socket
-import weakref
 import types
-from datetime import timedelta
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dist_pool import one_rank_process_group
 from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.overlap.comm import (CommStats, EmulatedNetwork, ExpertParallelComm, PendingAllToAll,
                                          all_to_all)
@@ -95,15 +94,7 @@ def test_one_rank_with_a_network_is_an_exchange_with_a_backward():
 # -- bench overlap's runs, in a process group of one rank -------------------------------------------
 @pytest.fixture(scope="module")
 def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
+    yield from one_rank_process_group()
 
 
 def test_bench_runs_charge_the_same_exchanges(world_of_one):

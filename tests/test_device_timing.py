@@ -9,16 +9,15 @@ an event before the synchronize, or synchronized per event fails here.
 
 from __future__ import annotations
 
-import socket
 import time
 import types
 from collections import Counter
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dist_pool import one_rank_process_group
 from titan_dualpipe.runtime import executor as executor_module
 from titan_dualpipe.runtime import timeline
 from titan_dualpipe.runtime.timeline import CpuClock, CudaClock, clock_for, span_seconds
@@ -108,15 +107,7 @@ def _no_host_clock() -> float:
 # -- the executor's timeline, one rank (DualPipeV's two stages), gloo on the CPU -----------------
 @pytest.fixture(scope="module")
 def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    yield dist.distributed_c10d._get_default_group()
-    dist.destroy_process_group()
+    yield from one_rank_process_group()
 
 
 def _timed_step(group: dist.ProcessGroup, n: int = 4):
