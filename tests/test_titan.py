@@ -1292,7 +1292,7 @@ def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
     """The composability matrix (titan-dualpipe matrix): both schedules on every layout, DualPipe's
     twins folded and exchanged where FSDP can fold them; a cell fails on any rank's step off the
     reference by more than its tolerance."""
-    from titan_dualpipe.titan import matrix
+    from titan_dualpipe.check import matrix
 
     names = [c.name for c in matrix.cells()]
     for layout in matrix.LAYOUTS:

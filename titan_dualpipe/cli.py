@@ -18,7 +18,7 @@ COMMAND_MODULES = (
     "titan_dualpipe.sim.cli",  # simulate, draw
     "titan_dualpipe.sim.profile",  # profile
     "titan_dualpipe.gpu_kit",  # gpu-kit (every part runs in a subprocess)
-    "titan_dualpipe.titan.matrix",  # matrix (torchtitan runs in subprocesses)
+    "titan_dualpipe.check.matrix",  # matrix (torchtitan runs in subprocesses)
 )
 
 
