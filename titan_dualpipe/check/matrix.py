@@ -251,5 +251,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown(outcomes) + "\n")
     failed = [o for o in outcomes if not o.passed]
-    print(f"matrix: {len(outcomes) - len(failed)} of {len(outcomes)} cells passed")
+    tested = [o for o in outcomes if not o.detail.startswith("unsupported")]
+    print(f"matrix: {len(tested) - len(failed)} of {len(tested)} cells passed on torchtitan {runner.generation}"
+          f" ({len(outcomes) - len(tested)} not supported by it)")
     return 1 if failed else 0
