@@ -115,14 +115,6 @@ def test_compiled_blocks_match_the_flag():
     assert works == _compat.COMPILED_SPLIT_BACKWARD_WORKS, f"torch {torch.__version__}: compiled split backward works={works}"
 
 
-@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
-def test_compiled_stages_are_refused_on_every_rank(pool, schedule):
-    if _compat.COMPILED_SPLIT_BACKWARD_WORKS:
-        pytest.skip("compiled blocks work in torch's split backward on this torch")
-    messages = [m for m in pool.run(cases.compiled_stages_refused, schedule=schedule, pp=2, n=4) if m is not None]
-    assert len(messages) == 2 and all("pytorch#161904" in m and "(layers." in m for m in messages), messages
-
-
 def test_static_metadata_matches_the_flag(pool):
     """torch's own ScheduleDualPipeV on stages with static metadata (input_args=/output_args=, one
     rank, so its V's turn hands off in memory) fails or gives wrong gradients exactly when

@@ -105,7 +105,8 @@ SPLIT_BACKWARD_NEEDS_UNSHARD: bool = True
 
 # torch.compile'd blocks inside a stage fail in a split backward (I, then W): torch's
 # stage_backward_input cannot differentiate part of a compiled graph (pytorch#161904). Still
-# so on 2.14 (tests/test_torch_versions.py runs it); our schedules refuse compiled stages.
+# so on 2.14 (tests/test_torch_versions.py runs it); our schedules run the backward of stages
+# holding compiled modules whole at I (runtime/split_backward.py).
 COMPILED_SPLIT_BACKWARD_WORKS: bool = False
 
 F = _ComputationType.FORWARD

@@ -46,7 +46,7 @@ from .p2p import local_tensor, swap, with_layout_of
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
-from .validation import (changed_inputs_problem, compiled_problem, cross_rank_problem, input_signature,
+from .validation import (changed_inputs_problem, cross_rank_problem, input_signature,
                          requirements_problem, stage_problem, step_inputs_problem)
 
 
@@ -58,7 +58,7 @@ def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
     if not isinstance(stages, (list, tuple)) or not stages:
         raise PipelineConfigError(problem)
     if not problem:
-        problem = compiled_problem(name, stages) or requirements_problem(name, stages[0].group_size, n_microbatches)
+        problem = requirements_problem(name, stages[0].group_size, n_microbatches)
     agree(problem, stages[0].group, stages[0].device)
 
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_flatten
 
-from .._compat import COMPILED_SPLIT_BACKWARD_WORKS, _PipelineStageBase
 from ..orders.placement import Placement, check_requirements
 
 
@@ -27,27 +25,6 @@ def stage_problem(name: str, stages: Any) -> str:
     if sorted(ids) != expected or any(t != 2 * pp for t in totals):
         return (f"{name} on rank {rank} of {pp} needs stages {expected} with num_stages={2 * pp}; got stage ids "
                 f"{ids} with num_stages {totals}. Rank r holds stages r and 2*pp-1-r (V placement)")
-    return ""
-
-
-def _compiled_modules(module: torch.nn.Module) -> list[str]:
-    """Names of the torch.compile'd modules inside ``module`` (wrapped, or compiled in place)."""
-    return [name or "<stage module>" for name, m in module.named_modules()
-            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
-
-
-def compiled_problem(name: str, stages: list[_PipelineStageBase]) -> str:
-    """Compiled stage modules, while torch cannot split their backward (pytorch#161904)."""
-    if COMPILED_SPLIT_BACKWARD_WORKS:
-        return ""
-    for stage in stages:
-        compiled = _compiled_modules(stage.submod)
-        if compiled:
-            shown = ", ".join(compiled[:4]) + (", ..." if len(compiled) > 4 else "")
-            return (f"{name}: stage {stage.stage_index} contains torch.compile'd modules ({shown}); the schedule's "
-                    f"split backward (I, then W) cannot run through compiled graphs on torch {torch.__version__} "
-                    "(pytorch#161904). Build the stages from uncompiled modules (torchtitan: [compile] enable = "
-                    'false, or components = ["loss"])')
     return ""
 
 

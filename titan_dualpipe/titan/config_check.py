@@ -77,23 +77,23 @@ def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | Non
 
 
 def _check_compile(plan: Plan, job_config: Any) -> None:
-    """Compiled blocks cannot run our split backward (see ``_compat.COMPILED_SPLIT_BACKWARD_WORKS``)."""
-    from .._compat import COMPILED_SPLIT_BACKWARD_WORKS
-
+    """Our schedules run compiled blocks (their backward whole at I, ``runtime/split_backward.py``),
+    but torchtitan's compiled model under them has not been trained and checked yet: refused."""
     compile_cfg = getattr(job_config, "compile", None)
-    if COMPILED_SPLIT_BACKWARD_WORKS or compile_cfg is None or not compile_cfg.enable:
+    if compile_cfg is None or not compile_cfg.enable:
         return
     if "model" in compile_cfg.components:
         raise ValueError(
-            f"{plan.schedule}: {COMPILE_KEY} = true compiles the model's blocks, whose split backward (I, then W) "
-            f'torch cannot run (pytorch#161904): set {COMPILE_KEY} = false, or {COMPONENTS_KEY} = ["loss"].'
+            f"{plan.schedule}: {COMPILE_KEY} = true compiles the model's blocks; DualPipe and DualPipeV run "
+            "compiled blocks (each compiled backward whole, pytorch#161904), but not yet under torchtitan, where "
+            f'that is untested: set {COMPILE_KEY} = false, or {COMPONENTS_KEY} = ["loss"].'
         )
 
 
 def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
     """Every AC mode but memory-budget runs (checkpointed microbatches run their backward whole
     at I, see ``runtime/split_backward.py``); memory-budget AC is torch.compile's partitioner, so
-    it needs a compiled model, which our split backward cannot run yet."""
+    it needs a compiled model, which our schedules do not take under torchtitan yet (untested)."""
     ac = getattr(job_config, "activation_checkpoint", None)
     if getattr(ac, "mode", None) != "memory_budget" and type(ac).__qualname__ != "MemoryBudgetAC.Config":
         return
@@ -107,7 +107,7 @@ def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
                        'as "2") or "full"')
     raise ValueError(
         f"{plan.schedule}: {chosen} lets torch.compile choose what to recompute, so it needs the model compiled, "
-        "and compiled blocks cannot run the schedule's split backward (I, then W; pytorch#161904). "
+        "which DualPipe and DualPipeV do not take under torchtitan yet (untested). "
         f"{fix[0].upper() + fix[1:]}, which run under DualPipe and DualPipeV."
     )
 
