@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_dualpipe.launch import ANSI, logged_steps
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +38,7 @@ REGISTRY_FILE = ROOT / "titan_dualpipe" / "titan" / "config_registry.py"
 STEPS = 6
 CHECKPOINT_STEP = 3
 PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
-LOG_LINE = re.compile(r"\[rank(\d+)\]:.*step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*([\d.]+)")
 VALIDATION_LINE = re.compile(r"\[rank(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*(-?[\d.]+)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # How the installed torchtitan spells what these tests ask for.
 TORCHTITAN = installed("torchtitan") or "0.2.2"
@@ -89,10 +88,7 @@ class Run:
 
     def logged(self) -> dict[int, dict[int, tuple[float, float]]]:
         """{rank: {step: (loss, grad_norm)}} from the console lines."""
-        table: dict[int, dict[int, tuple[float, float]]] = {}
-        for rank, step, loss, norm in LOG_LINE.findall(ANSI.sub("", self.output)):
-            table.setdefault(int(rank), {})[int(step)] = (float(loss), float(norm))
-        return table
+        return logged_steps(self.output)
 
     def losses(self, rank: int = 0) -> dict[int, float]:
         return {step: loss for step, (loss, _) in self.logged().get(rank, {}).items()}

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .launch import ANSI
 from .torchtitan_version import REGISTRY_RELEASES, installed
 
 ROOT = Path(__file__).resolve().parent.parent  # tests/gpu and train_configs/ are relative to the checkout
@@ -46,7 +47,6 @@ TRAIN_STEPS = 20
 TAIL_LINES = 20  # of a failed part's output, in the report
 STOP_GRACE_S = 40  # after SIGTERM: torchrun's agent stops its workers, then everything gets SIGKILL
 CPU_STAND_IN_ENV = "TITAN_DUALPIPE_GPU_TESTS_ON_CPU"  # tests/gpu on the CPU: never in the kit
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass(frozen=True)

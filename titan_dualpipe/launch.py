@@ -207,8 +207,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colours in torchtitan's log lines
+# a rank's metrics line as this command shows it: "[rankN]:... step: S  loss: L  grad_norm: G"
+LOG_LINE = re.compile(r"\[rank(\d+)\]:.*step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*([\d.]+)")
 TAIL_LINES = 20
+
+
+def logged_steps(output: str) -> dict[int, dict[int, tuple[float, float]]]:
+    """``{rank: {step: (loss, grad_norm)}}`` from the output of a run of this command."""
+    table: dict[int, dict[int, tuple[float, float]]] = {}
+    for rank, step, loss, norm in LOG_LINE.findall(ANSI.sub("", output)):
+        table.setdefault(int(rank), {})[int(step)] = (float(loss), float(norm))
+    return table
 
 
 def _failure_order(item: tuple[int, Any]) -> tuple[float, int]:
@@ -224,7 +234,7 @@ def _stderr_tail(log_dir: str, local_rank: int) -> str:
     logs = sorted(glob.glob(os.path.join(log_dir, "*", "attempt_*", str(local_rank), "stderr.log")))
     if not logs:
         return ""
-    lines = [_ANSI.sub("", line).rstrip() for line in Path(logs[-1]).read_text(errors="replace").splitlines()]
+    lines = [ANSI.sub("", line).rstrip() for line in Path(logs[-1]).read_text(errors="replace").splitlines()]
     return "\n".join([line for line in lines if line.strip()][-TAIL_LINES:])
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -29,11 +28,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..launch import logged_steps
 from ..torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[2]
-LOG_LINE = re.compile(r"\[rank(\d+)\]:.*step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*([\d.]+)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 DENSE, MOE = "debug_dualpipe", "debug_moe_dualpipe"
 
 
@@ -130,7 +128,7 @@ class Runner:
         output = proc.stdout + proc.stderr
         if proc.returncode:
             raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{output[-3000:]}")
-        return _logged(output), output
+        return logged_steps(output), output
 
     def seed(self, model: str) -> tuple[str, ...]:
         """A seed checkpoint of ``model`` (one process): every run of it starts from its weights."""
@@ -139,14 +137,6 @@ class Runner:
                    *_NO_EP, "--parallelism.data_parallel_shard_degree", "1")
         return ("--checkpoint.enable", "--checkpoint.initial_load_path",
                 str(self.work / f"{model}_seed" / "checkpoint" / "step-0"), "--debug.deterministic")
-
-
-def _logged(output: str) -> dict[int, dict[int, tuple[float, float]]]:
-    """{rank: {step: (loss, grad_norm)}} from the console lines."""
-    table: dict[int, dict[int, tuple[float, float]]] = {}
-    for rank, step, loss, norm in LOG_LINE.findall(ANSI.sub("", output)):
-        table.setdefault(int(rank), {})[int(step)] = (float(loss), float(norm))
-    return table
 
 
 def _twins_args(cell: Cell, registry: bool) -> tuple[tuple[str, ...], dict[str, str]]:
