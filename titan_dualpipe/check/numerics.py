@@ -71,11 +71,13 @@ ScheduleFactory = Callable[..., Any]
 
 def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                    device: torch.device | str = "cpu", perturb_twins: bool = True, fsdp_mesh: Any = None,
+                   parallelize: Callable[[torch.nn.Module], None] | None = None,
                    factory: ScheduleFactory | None = None, **schedule_kwargs: Any):
     """Reference model, this rank's two stage modules ``{stage: module}``, and the schedule.
 
     ``factory(stages, n, **kwargs)`` builds the schedule (default: our class for ``schedule``).
     DualPipe's direction-1 copies start perturbed, so the first step must make twins equal.
+    ``parallelize(module)`` runs on each stage module before FSDP (tensor parallelism, say).
     """
     device = torch.device(device)
     torch.manual_seed(0)
@@ -90,6 +92,8 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
         with torch.no_grad():
             for p in modules[place.stages_of(pp_rank)[1]].parameters():
                 p.add_(0.5)
+    for module in modules.values() if parallelize is not None else ():
+        parallelize(module)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
