@@ -35,13 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .launch import ANSI
+from .launch import ANSI, dump_folder_flag, shipped_config
 from .torchtitan_version import REGISTRY_RELEASES, installed
 
 ROOT = Path(__file__).resolve().parent.parent  # tests/gpu and train_configs/ are relative to the checkout
-TRAIN_TOML = "train_configs/debug_dualpipev.toml"
-TRAIN_NAME = "debug_dualpipev"  # torchtitan 0.3.0: a config_registry function
-TRAIN_MODULE = "titan_dualpipe.titan"
+TRAIN_NAME = "debug_dualpipev"  # a shipped config: its TOML for 0.2.2, a config_registry function for 0.3.0
 ONE_RANK = ("--parallelism.pipeline_parallel_degree", "1")
 TRAIN_STEPS = 20
 TAIL_LINES = 20  # of a failed part's output, in the report
@@ -129,19 +127,12 @@ def _cli(*args: str) -> tuple[str, ...]:
     return (sys.executable, "-m", "titan_dualpipe", *args)
 
 
-def _train_config() -> tuple[str, ...]:
-    """The debug config as the installed torchtitan names it (a TOML for 0.2.2, a registry name after)."""
-    if installed("torchtitan") in REGISTRY_RELEASES:
-        return TRAIN_NAME, "--module", TRAIN_MODULE
-    return (TRAIN_TOML,)
-
-
-def _dump_flag() -> str:
-    return "--dump_folder" if installed("torchtitan") in REGISTRY_RELEASES else "--job.dump_folder"
+def _registry() -> bool:
+    return installed("torchtitan") in REGISTRY_RELEASES
 
 
 def parts(logs: Path) -> list[Part]:
-    config = _train_config()
+    config = (shipped_config(TRAIN_NAME, _registry()),)
     return [
         Part("tests/gpu", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"), 600,
              "schedules, overlapped pairs (protocol, relay, AC), FSDP2, CSV orders, device checks and timing, "
@@ -152,7 +143,7 @@ def parts(logs: Path) -> list[Part]:
              "MoE all-to-all overlap in DualPipeV pairs (emulated network: a sleep kernel on a side stream)",
              overlap_figures),
         Part("train", _cli("train", *config, "--nproc", "1", *ONE_RANK, "--training.steps", str(TRAIN_STEPS),
-                           _dump_flag(), str(logs / "train_dump")), 420,
+                           dump_folder_flag(_registry()), str(logs / "train_dump")), 420,
              "torchtitan trains the llama3 debug model with this package loaded (pp 1: no pipeline fits one GPU)",
              train_figures),
         Part("bench titan", _cli("bench", "titan", *config, "--nproc", "1", "--comm-ratio", "0", "--schedules", "1F1B",

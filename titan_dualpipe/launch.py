@@ -177,6 +177,20 @@ def _check(nproc: int | None, log_ranks: str) -> None:
             raise ValueError(f"--log-ranks {log_ranks!r}: give ranks below --nproc {nproc}, comma-separated, or 'all'")
 
 
+SHIPPED_TOMLS = Path(__file__).resolve().parent.parent / "train_configs"  # a checkout's 0.2.2 configs
+
+
+def shipped_config(name: str, registry: bool) -> str:
+    """A shipped config as the installed torchtitan takes it: its name (config registry, 0.3.0) or
+    its TOML (0.2.2)."""
+    return name if registry else str(SHIPPED_TOMLS / f"{name}.toml")
+
+
+def dump_folder_flag(registry: bool) -> str:
+    """torchtitan's option naming a run's output folder, as the release spells it."""
+    return "--dump_folder" if registry else "--job.dump_folder"
+
+
 def _release() -> str:
     try:
         return check_torchtitan_version()

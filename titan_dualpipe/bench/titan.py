@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..launch import add_options, take_back_options
+from ..launch import add_options, dump_folder_flag, take_back_options
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -166,7 +166,7 @@ class Launcher:
         argv = [sys.executable, "-m", "titan_dualpipe", "train", self.config, "--nproc", str(self.nproc),
                 "--log-ranks", "all"]
         argv += ["--module", self.module] if self.module else []
-        argv += ["--dump_folder" if self.registry else "--job.dump_folder", str(out / "dump")]
+        argv += [dump_folder_flag(self.registry), str(out / "dump")]
         argv += ["--training.steps", str(steps), "--parallelism.pipeline_parallel_schedule", variant.schedule]
         argv += [self._overlap_flag(variant.overlap)] if variant.overlap is not None else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..launch import logged_steps
+from ..launch import dump_folder_flag, logged_steps, shipped_config
 from ..torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,10 +119,8 @@ class Runner:
     def train(self, model: str, label: str, nproc: int, *overrides: str, env: dict[str, str] | None = None
               ) -> tuple[dict[int, dict[int, tuple[float, float]]], str]:
         out = self.work / label
-        config = model if self.registry else str(ROOT / "train_configs" / f"{model}.toml")
-        dump = "--dump_folder" if self.registry else "--job.dump_folder"
-        cmd = [sys.executable, "-m", "titan_dualpipe", "train", config, "--nproc", str(nproc), "--log-ranks", "all",
-               dump, str(out), "--training.steps", str(self.steps), *overrides]
+        cmd = [sys.executable, "-m", "titan_dualpipe", "train", shipped_config(model, self.registry), "--nproc",
+               str(nproc), "--log-ranks", "all", dump_folder_flag(self.registry), str(out), "--training.steps", str(self.steps), *overrides]
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
                               timeout=1200)
         output = proc.stdout + proc.stderr
