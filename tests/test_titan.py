@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_dualpipe.launch import ANSI, logged_steps
+from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +43,8 @@ VALIDATION_LINE = re.compile(r"\[rank(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*
 # How the installed torchtitan spells what these tests ask for.
 TORCHTITAN = installed("torchtitan") or "0.2.2"
 REGISTRY = uses_config_registry(TORCHTITAN)
+DUMP_FOLDER = dump_folder_flag(REGISTRY)
 if REGISTRY:  # 0.3.0: config functions, tyro flags in their CLI spelling, our dualpipe section
-    DUMP_FOLDER = "--dump_folder"
     VALIDATION = ("--validator.enable", "--validator.freq", "3")  # at steps 1, 3 and 6
     NO_OVERLAP = ("--dualpipe.no-overlap",)
     FULL_AC = ("activation-checkpoint:full",)  # a tyro subcommand: last on the command line
@@ -53,7 +53,6 @@ if REGISTRY:  # 0.3.0: config functions, tyro flags in their CLI spelling, our d
                         ("activation-checkpoint:selective", "activation-checkpoint:full"))
     AFTER_PROCESS_GROUP_LOG = "Building llama3 debugmodel"
 else:  # 0.2.2: TOMLs
-    DUMP_FOLDER = "--job.dump_folder"
     VALIDATION = ("--validation.enable", "--validation.freq", "3")
     NO_OVERLAP = ("--parallelism.no-pipeline-parallel-expert-parallel-overlap",)
     FULL_AC = ("--activation_checkpoint.mode", "full")
@@ -65,7 +64,7 @@ else:  # 0.2.2: TOMLs
 
 def config(name: str) -> str:
     """A shipped config as the installed torchtitan takes it: its name (0.3.0) or its TOML (0.2.2)."""
-    return name if REGISTRY else str(CONFIGS / f"{name}.toml")
+    return shipped_config(name, REGISTRY)
 
 
 def key(dotted: str) -> str:
