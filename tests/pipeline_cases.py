@@ -92,7 +92,8 @@ def numerics(schedule: str, pp: int, n: int, *, defer_pp_recv: bool = False, fsd
             return None
     if defer_pp_recv:
         kwargs["defer_pp_recv"] = True
-    return train_and_compare(schedule, pp, n, group, pp_rank, factory=RUNTIMES[runtime](schedule), **kwargs)
+    kwargs.setdefault("factory", RUNTIMES[runtime](schedule))
+    return train_and_compare(schedule, pp, n, group, pp_rank, **kwargs)
 
 
 def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
@@ -339,28 +340,20 @@ def torch_schedule_grad_error(name: str, pp: int, n: int, fsdp: bool) -> float |
     return worst
 
 
-def _compile_layers(modules: dict) -> None:
-    for module in modules.values():
-        for layer in module.layers.values():
-            layer.compile(backend="aot_eager")  # in place, as torchtitan's per-block compile
+def compiled_stages_numerics(schedule: str, pp: int, n: int, *, backend: str = "aot_eager", fsdp: bool = False,
+                             compile_reference: bool = True, **kwargs) -> dict | None:
+    """Stages whose blocks are torch.compile'd in place before FSDP (as torchtitan compiles them):
+    two steps against the reference compiled the same way (``compile_reference=False``: the
+    eager reference), every rank; their backward runs whole at I, so each compiled graph runs
+    one backward per microbatch."""
 
-
-def compiled_stages_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
-    """Stages whose blocks are torch.compile'd in place (as torchtitan compiles them): two steps
-    against the uncompiled reference (``aot_eager``: the eager kernels, so the reference's
-    tolerance holds); their backward runs whole at I, so each compiled graph runs one backward."""
-    group = first_ranks_group(pp)
-    if dist.get_rank() >= pp:
-        return None
-
-    def compiled_then_scheduled(stages, n_mbs, **schedule_kwargs):
-        _compile_layers({s.stage_index: s.submod for s in stages})
+    def checked_schedule(stages, n_mbs, **schedule_kwargs):
         sched = SCHEDULES[schedule](stages, n_mbs, **schedule_kwargs)
         assert sched.whole_backward_stages == {s.stage_index for s in stages}, sched.whole_backward_stages
         return sched
 
-    result = train_and_compare(schedule, pp, n, group, dist.get_rank(), factory=compiled_then_scheduled, **kwargs)
-    return result
+    return numerics(schedule, pp, n, fsdp=fsdp, factory=checked_schedule, compile_backend=backend,
+                    compile_reference=compile_reference, **kwargs)
 
 
 def recorded_step_trace(schedule: str, pp: int, n: int, *, fsdp: bool = False, **schedule_kwargs) -> dict | None:

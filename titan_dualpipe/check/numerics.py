@@ -69,15 +69,24 @@ def full(t: torch.Tensor) -> torch.Tensor:
 ScheduleFactory = Callable[..., Any]
 
 
+def compile_blocks(model: torch.nn.Module, backend: str) -> None:
+    """torch.compile each block of ``model`` in place, as torchtitan compiles a model's blocks."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
+
+
 def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                    device: torch.device | str = "cpu", perturb_twins: bool = True, fsdp_mesh: Any = None,
                    parallelize: Callable[[torch.nn.Module], None] | None = None,
+                   compile_backend: str | None = None, compile_reference: bool = True,
                    factory: ScheduleFactory | None = None, **schedule_kwargs: Any):
     """Reference model, this rank's two stage modules ``{stage: module}``, and the schedule.
 
     ``factory(stages, n, **kwargs)`` builds the schedule (default: our class for ``schedule``).
     DualPipe's direction-1 copies start perturbed, so the first step must make twins equal.
     ``parallelize(module)`` runs on each stage module before FSDP (tensor parallelism, say).
+    ``compile_backend`` compiles the stages' blocks in place before FSDP (torchtitan's order),
+    and the reference's the same way unless ``compile_reference`` is False.
     """
     device = torch.device(device)
     torch.manual_seed(0)
@@ -94,6 +103,9 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
                 p.add_(0.5)
     for module in modules.values() if parallelize is not None else ():
         parallelize(module)
+    for model in [*modules.values(), full_model] if compile_backend else ():
+        if model is not full_model or compile_reference:
+            compile_blocks(model, compile_backend)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -106,8 +118,12 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
     return full_model.to(device), modules, build(stages, n, loss_fn=lm_loss, **schedule_kwargs)
 
 
-def grad_error(modules: dict[int, torch.nn.Module], reference: TinyLM, label: str) -> float:
-    """Largest gradient difference to the reference; AssertionError beyond ``RTOL``/``ATOL``."""
+Tolerance = tuple[float, float]  # (rtol, atol)
+
+
+def grad_error(modules: dict[int, torch.nn.Module], reference: TinyLM, label: str,
+               tolerance: Tolerance = (RTOL, ATOL)) -> float:
+    """Largest gradient difference to the reference; AssertionError beyond ``tolerance``."""
     ref = dict(reference.named_parameters())
     # gather every gradient (a collective under FSDP) before comparing any: a mismatch on this
     # rank must not leave its data-parallel peers in a gather it skipped
@@ -117,7 +133,8 @@ def grad_error(modules: dict[int, torch.nn.Module], reference: TinyLM, label: st
     for s, name, got in grads:
         assert got is not None, f"{label}: stage {s} {name} has no gradient"
         want = ref[name].grad
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: stage {s} {name}: {m}")
+        torch.testing.assert_close(got, want, rtol=tolerance[0], atol=tolerance[1],
+                                   msg=lambda m: f"{label}: stage {s} {name}: {m}")
         worst = max(worst, (got - want).abs().max().item())
     return worst
 
@@ -137,11 +154,11 @@ def twins_identical(modules: dict[int, torch.nn.Module], place: Placement, group
     return len(copies)
 
 
-def loss_error(got: list[torch.Tensor], want: list[float], n: int) -> float:
-    """Largest microbatch-loss difference to the reference; AssertionError beyond ``RTOL``/``ATOL``."""
+def loss_error(got: list[torch.Tensor], want: list[float], n: int, tolerance: Tolerance = (RTOL, ATOL)) -> float:
+    """Largest microbatch-loss difference to the reference; AssertionError beyond ``tolerance``."""
     values = [loss.item() for loss in got]
     assert len(values) == n, f"expected {n} losses, got {len(values)}"
-    torch.testing.assert_close(torch.tensor(values), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(values), torch.tensor(want), rtol=tolerance[0], atol=tolerance[1])
     return max(abs(a - b) for a, b in zip(values, want))
 
 
@@ -173,7 +190,8 @@ def _grad_off(modules: dict[int, torch.nn.Module], amount: float) -> Iterator[No
 def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                       dp_index: int = 0, dp_size: int = 1, device: torch.device | str = "cpu", fsdp_mesh: Any = None,
                       scale_grads: bool = True, steps: int = 2, factory: ScheduleFactory | None = None,
-                      perturb_twins: bool = True, grad_fault: float = 0.0, **schedule_kwargs: Any) -> dict[str, Any]:
+                      perturb_twins: bool = True, grad_fault: float = 0.0, tolerance: Tolerance = (RTOL, ATOL),
+                      **schedule_kwargs: Any) -> dict[str, Any]:
     """``steps`` training steps with Adam between, checked against the reference on every rank.
 
     Data-parallel replicas (``dp_size`` > 1, FSDP over ``fsdp_mesh``) see different batches; the
@@ -198,11 +216,11 @@ def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup |
             sched.step(x, target=y, losses=losses) if place.feeds_batch(pp_rank) else sched.step()
             want_losses = replicas_reference_step(reference, step, n, dp_index, dp_size, device, scale_grads)
             if holds_loss:
-                err = _compared(mismatches, lambda: loss_error(losses, want_losses, n))
+                err = _compared(mismatches, lambda: loss_error(losses, want_losses, n, tolerance))
                 result["loss_err"] = max(result["loss_err"], err)
                 result["losses_checked"] += n
             with _grad_off(modules, grad_fault):
-                err = _compared(mismatches, lambda: grad_error(modules, reference, f"step {step}"))
+                err = _compared(mismatches, lambda: grad_error(modules, reference, f"step {step}", tolerance))
             result["grad_err"] = max(result["grad_err"], err)
             for o in (opt, ref_opt):
                 o.step()
