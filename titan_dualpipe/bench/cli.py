@@ -9,6 +9,7 @@ BENCHMARKS = {
     "runtime": "titan_dualpipe.bench.runtime",
     "overlap": "titan_dualpipe.bench.overlap",
     "titan": "titan_dualpipe.bench.titan",
+    "compile": "titan_dualpipe.bench.compile",
 }
 
 

@@ -1,0 +1,380 @@
+"""``titan-dualpipe bench compile``: what a torch.compile'd stage's backward costs split into I and W.
+
+Our schedules run a compiled stage's backward whole at its I and make its W a no-op
+(``runtime/split_backward.py``): torch's split of a compiled graph (``stage_backward_input``,
+then ``stage_backward_weight``, possible only with ``donated_buffer = False``) runs the
+compiled backward a second time. Per microbatch of one stage of ``--blocks`` blocks:
+
+- ``full``: a plain full backward of the stage (``loss.backward()``);
+- ``runtime``: I and W as our runtime runs them, read from the recorded timeline of a
+  one-process ``ScheduleDualPipeV`` (stage 0 an eager linear layer, stage 1 the blocks) whose
+  order runs ``1I`` and ``1W`` once per microbatch;
+- ``torch split``: ``stage_backward_input`` then ``stage_backward_weight`` on the stage (for the
+  compiled kind, on a copy compiled and run with ``donated_buffer = False``, restored after).
+
+Compiled and eager (the control: there the runtime splits the backward as torch does) are
+measured in paired, interleaved rounds; ratios are taken within a round, then their medians
+over rounds are printed. Each variant's compiled backward calls per microbatch are counted
+once more after the timed rounds (profiler event ``CompiledFunctionBackward``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import record_function
+
+from ..cli import HelpFormatter
+from .model import Block
+
+MODELS = ("mlp", "tinylm")
+BACKENDS = ("inductor", "aot_eager")
+KINDS = ("compiled", "eager")
+VARIANTS = ("full", "runtime", "torch split")
+COMPILED_BACKWARD_EVENT = "CompiledFunctionBackward"  # one profiler event per compiled backward call
+Key = tuple[str, str]  # (kind, variant)
+Sample = tuple[float, float, float]  # seconds per microbatch: (I + W, or the full backward; I; W)
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("compile", help="a compiled stage's backward: whole at I (ours) vs torch's I/W split",
+                         description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--model", default="mlp", help=f"block kind: {' or '.join(MODELS)} (TinyLM's attention + MLP)")
+    p.add_argument("--blocks", type=int, default=4, help="blocks in the measured stage")
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per microbatch (rows x --seq)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per round and variant")
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds")
+    p.add_argument("--backend", default="inductor", help=f"torch.compile backend: {' or '.join(BACKENDS)}")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.set_defaults(func=run)
+
+
+class MLPBlock(nn.Module):
+    """Residual MLP: ``h + w2(gelu(w1(h)))``, hidden width 4 x dim."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.w2(F.gelu(self.w1(h)))
+
+
+def check_config(cfg: dict) -> None:
+    """ValueError naming the offending option and its fix."""
+    if cfg["model"] not in MODELS:
+        raise ValueError(f"--model {cfg['model']!r}: give one of {', '.join(MODELS)}")
+    if cfg["backend"] not in BACKENDS:
+        raise ValueError(f"--backend {cfg['backend']!r}: give one of {', '.join(BACKENDS)}")
+    for key in ("blocks", "dim", "tokens", "seq", "microbatches", "rounds", "threads"):
+        if cfg[key] < 1:
+            raise ValueError(f"--{key} {cfg[key]}: give 1 or more")
+    if cfg["tokens"] % cfg["seq"]:
+        raise ValueError(f"--tokens {cfg['tokens']} is not a multiple of --seq {cfg['seq']}: "
+                         f"give --tokens {max(1, cfg['tokens'] // cfg['seq']) * cfg['seq']} or another --seq")
+    if cfg["model"] == "tinylm" and cfg["dim"] % 4:
+        raise ValueError(f"--dim {cfg['dim']}: TinyLM blocks have 4 heads, give a multiple of 4")
+
+
+def _blocks(cfg: dict) -> nn.Sequential:
+    """The measured stage: ``cfg['blocks']`` blocks, seeded so every kind starts from the same weights."""
+    torch.manual_seed(0)
+    make: Callable[[], nn.Module] = ((lambda: MLPBlock(cfg["dim"])) if cfg["model"] == "mlp"
+                                     else (lambda: Block(cfg["dim"], heads=4)))
+    return nn.Sequential(*[make() for _ in range(cfg["blocks"])])
+
+
+def _compile_in_place(module: nn.Sequential, backend: str) -> nn.Sequential:
+    for block in module:
+        block.compile(backend=backend)  # in place, as torchtitan compiles each block
+    return module
+
+
+@contextlib.contextmanager
+def donated_buffers_off() -> Iterator[None]:
+    """``torch._functorch.config.donated_buffer = False`` inside, restored after: the only way
+    torch's split backward can run a compiled graph (pytorch#161904)."""
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False):
+        yield
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """This process as a gloo group of one rank, unless it already has a group."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _io_order(n: int) -> dict[int, list]:
+    """A one-rank DualPipeV order whose stage 1 runs I then W for every microbatch."""
+    from .._compat import F as FWD, I, W, _Action
+
+    actions = []
+    for mb in range(n):
+        actions += [_Action(0, FWD, mb), _Action(1, FWD, mb), _Action(1, I, mb), _Action(1, W, mb),
+                    _Action(0, I, mb), _Action(0, W, mb)]
+    return {0: actions}
+
+
+def _io_pipeline(head: nn.Module, stage: nn.Module, n: int) -> Any:
+    """Our one-rank ``ScheduleDualPipeV`` over ``head`` (stage 0) and ``stage`` (stage 1), recording
+    its timeline and running :func:`_io_order`: every microbatch's I and W of stage 1 are actions."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from .. import ScheduleDualPipeV
+
+    cpu = torch.device("cpu")
+    stages = [PipelineStage(head, 0, 2, cpu), PipelineStage(stage, 1, 2, cpu)]
+    pipeline = ScheduleDualPipeV(stages, n, loss_fn=_loss, record_timeline=True, overlap=False)
+    pipeline.pipeline_order = _io_order(n)
+    pipeline._prepare_schedule_with_comms(pipeline.pipeline_order)  # our own lowering of an order
+    return pipeline
+
+
+class _Kind:
+    """One kind (compiled or eager): the stage, its torch-split copy and its one-rank pipeline."""
+
+    def __init__(self, kind: str, cfg: dict, batch: torch.Tensor, target: torch.Tensor) -> None:
+        self.kind, self.cfg, self.n = kind, cfg, cfg["microbatches"]
+        self.batch, self.target = batch, target
+        compiled = kind == "compiled"
+        self.stage = _blocks(cfg)
+        self.split_copy = copy.deepcopy(self.stage)
+        self.split_scope = donated_buffers_off if compiled else contextlib.nullcontext
+        if compiled:
+            _compile_in_place(self.stage, cfg["backend"])
+            with self.split_scope():
+                _compile_in_place(self.split_copy, cfg["backend"])
+        torch.manual_seed(1)
+        self.head = nn.Linear(cfg["dim"], cfg["dim"])  # stage 0: eager, so stage 1's input needs a gradient
+        self.pipeline = _io_pipeline(self.head, self.stage, self.n)
+
+    def _microbatches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        rows = self.batch.shape[0] // self.n
+        for mb in range(self.n):
+            h = self.batch[mb * rows:(mb + 1) * rows].detach().clone().requires_grad_()
+            yield h, self.target[mb * rows:(mb + 1) * rows]
+
+    def full(self) -> Sample:
+        """Mean seconds per microbatch of a plain full backward: (full, 0, 0)."""
+        self.stage.zero_grad(set_to_none=True)
+        total = 0.0
+        for h, y in self._microbatches():
+            loss = _loss(self.stage(h), y)
+            start = time.perf_counter()
+            loss.backward()
+            total += time.perf_counter() - start
+        return total / self.n, 0.0, 0.0
+
+    def runtime(self) -> Sample:
+        """Mean seconds per microbatch of stage 1's I and W actions in one pipeline step: (I + W, I, W)."""
+        from .._compat import I, W
+
+        for module in (self.stage, self.head):
+            module.zero_grad(set_to_none=True)
+        batch = self.batch.detach()  # stage 0 takes it; stage 1's input gets its gradient from stage 0
+        self.pipeline.step(batch, target=self.target)
+        spent = {I: 0.0, W: 0.0}
+        for event in self.pipeline.collect_timeline():
+            if event.action.stage_index == 1 and event.action.computation_type in spent:
+                spent[event.action.computation_type] += event.end - event.start
+        i, w = spent[I] / self.n, spent[W] / self.n
+        return i + w, i, w
+
+    def torch_split(self) -> Sample:
+        """Mean seconds per microbatch of torch's split backward: (I + W, I, W)."""
+        from .._compat import stage_backward_input, stage_backward_weight
+
+        module = self.split_copy
+        module.zero_grad(set_to_none=True)
+        i = w = 0.0
+        with self.split_scope():
+            for h, y in self._microbatches():
+                loss = _loss(module(h), y)
+                start = time.perf_counter()
+                with record_function(SPLIT_RANGES["I"]):
+                    _, groups = stage_backward_input([loss], None, [h], module.parameters())
+                middle = time.perf_counter()
+                with record_function(SPLIT_RANGES["W"]):
+                    stage_backward_weight(module.parameters(), groups)
+                i, w = i + middle - start, w + time.perf_counter() - middle
+        return (i + w) / self.n, i / self.n, w / self.n
+
+    def variant(self, name: str) -> Callable[[], Sample]:
+        return {"full": self.full, "runtime": self.runtime, "torch split": self.torch_split}[name]
+
+
+SPLIT_RANGES = {"I": "split:I", "W": "split:W"}  # profiler ranges around torch's split halves
+
+
+def compiled_backwards_by_range(fn: Callable[[], Any]) -> dict[str, int]:
+    """Compiled backward calls ``fn()`` ran (profiler events ``CompiledFunctionBackward``) by the
+    range they ran in: a pipeline action's profiler name (``PP:1I0``, ``PP:1W0``, as the executor
+    names them) or a ``split:`` range; calls outside any such range under ``''``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.events()
+    ranges = [e for e in events if e.name.startswith(("PP:", "split:"))]
+    counts: dict[str, int] = {r.name: 0 for r in ranges}
+    for event in events:
+        if event.name != COMPILED_BACKWARD_EVENT:
+            continue
+        inside = [r.name for r in ranges
+                  if r.time_range.start <= event.time_range.start and event.time_range.end <= r.time_range.end]
+        key = inside[-1] if inside else ""
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def backward_calls_at(counts: dict[str, int], stage_index: int = 1) -> dict[str, int]:
+    """``{'I': n, 'W': n, 'all': n}`` from :func:`compiled_backwards_by_range`: the calls inside
+    ``stage_index``'s I and W actions (or the ``split:`` ranges), and all of them."""
+    def at(kind: str) -> int:
+        return sum(n for name, n in counts.items()
+                   if name == SPLIT_RANGES[kind] or name.startswith(f"PP:{stage_index}{kind}"))
+    return {"I": at("I"), "W": at("W"), "all": sum(counts.values())}
+
+
+def _warm_up(kinds: dict[str, _Kind]) -> tuple[list[Key], dict[Key, str]]:
+    """Run every (kind, variant) once (compilation, shape inference, allocator). Returns the
+    keys that ran and, for a compiled torch split this torch cannot run (2.11: its split of a
+    compiled graph fails in ``stage_backward_input`` even without donated buffers), why not."""
+    keys, failed = [], {}
+    for kind in kinds:
+        for variant in VARIANTS:
+            try:
+                kinds[kind].variant(variant)()
+            except RuntimeError as err:
+                if (kind, variant) != ("compiled", "torch split"):
+                    raise
+                failed[(kind, variant)] = f"{type(err).__name__}: {_first_line(err)}"
+                continue
+            keys.append((kind, variant))
+    return keys, failed
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _rounds(kinds: dict[str, _Kind], keys: list[Key], rounds: int) -> dict[Key, list[Sample]]:
+    """Paired rounds: each times every (kind, variant) of ``keys`` once, in an order rotated round by round."""
+    times: dict[Key, list[Sample]] = {key: [] for key in keys}
+    for r in range(rounds):
+        for kind, variant in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[(kind, variant)].append(kinds[kind].variant(variant)())
+    return times
+
+
+def _summary(times: dict[Key, list[Sample]], calls: dict[Key, dict[str, int]], failed: dict[Key, str],
+             cfg: dict) -> list[dict]:
+    """Per (kind, variant): medians over rounds, the median of the per-round ratio to the same
+    kind's full backward, and the compiled backward calls per microbatch and block (at I, at W,
+    in all) from one more untimed run; a variant that could not run gives its error instead."""
+    rows = []
+    per = cfg["microbatches"] * cfg["blocks"]
+    for kind in KINDS:
+        full = [f for f, _, _ in times[(kind, "full")]]
+        for variant in VARIANTS:
+            if (kind, variant) in failed:
+                rows.append({"kind": kind, "variant": variant, "full_s": statistics.median(full),
+                             "error": failed[(kind, variant)]})
+                continue
+            samples = times[(kind, variant)]
+            ratios = [total / base for (total, _, _), base in zip(samples, full)]
+            rows.append({"kind": kind, "variant": variant, "full_s": statistics.median(full),
+                         "total_s": statistics.median(t for t, _, _ in samples),
+                         "I_s": statistics.median(i for _, i, _ in samples) if variant != "full" else None,
+                         "W_s": statistics.median(w for _, _, w in samples) if variant != "full" else None,
+                         "ratio_to_full": statistics.median(ratios),
+                         "compiled_backwards_per_microbatch_and_block": {
+                             key: n / per for key, n in calls[(kind, variant)].items()}})
+    return rows
+
+
+def measure(cfg: dict) -> dict:
+    """Warm up (compiles), time the paired rounds, count compiled backward calls; returns the
+    rows of :func:`_summary`, the torch version and the config."""
+    check_config(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg["threads"])
+    try:
+        with one_rank_group():
+            g = torch.Generator().manual_seed(2)
+            rows = cfg["tokens"] // cfg["seq"]
+            shape = (rows * cfg["microbatches"], cfg["seq"], cfg["dim"])
+            batch, target = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            kinds = {kind: _Kind(kind, cfg, batch, target) for kind in KINDS}
+            keys, failed = _warm_up(kinds)
+            times = _rounds(kinds, keys, cfg["rounds"])
+            calls = {(kind, variant): backward_calls_at(compiled_backwards_by_range(kinds[kind].variant(variant)))
+                     for kind, variant in keys}
+    finally:
+        torch.set_num_threads(threads)
+    return {"rows": _summary(times, calls, failed, cfg), "torch": torch.__version__, "config": cfg}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = {k: getattr(args, k) for k in ("model", "blocks", "dim", "tokens", "seq", "microbatches", "rounds",
+                                         "backend", "threads")}
+    result = measure(cfg)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    """The rows of :func:`measure` as a table, one line per (kind, variant) besides the full backwards."""
+    cfg = result["config"]
+    print(f"torch {result['torch']}, backend {cfg['backend']}, {cfg['blocks']} {cfg['model']} blocks, "
+          f"dim {cfg['dim']}, "
+          f"{cfg['tokens']} tokens (seq {cfg['seq']}) per microbatch, {cfg['threads']} thread(s); per microbatch, "
+          f"medians of {cfg['rounds']} paired rounds x {cfg['microbatches']} microbatches")
+    print(f"{'variant':<22}{'full s':>9}{'I s':>9}{'W s':>9}{'(I+W)/full':>12}{'compiled bwd at I/W':>21}")
+    for row in result["rows"]:
+        if row["variant"] == "full":
+            continue
+        name = f"{row['kind']} {row['variant']}"
+        if "error" in row:
+            print(f"{name:<22}{_fmt(row['full_s']):>9}  cannot run here: {row['error'][:100]}")
+            continue
+        calls = row["compiled_backwards_per_microbatch_and_block"]
+        print(f"{name:<22}{_fmt(row['full_s']):>9}{_fmt(row['I_s']):>9}"
+              f"{_fmt(row['W_s']):>9}{row['ratio_to_full']:>11.3f}x{calls['I']:>17g} / {calls['W']:g}")
+    print("full s: the same kind's plain full backward. runtime: stage 1's I and W actions in our runtime's "
+          "timeline (a compiled stage: whole backward at I, W a no-op; an eager one: torch's split). torch split: "
+          "stage_backward_input + stage_backward_weight (compiled: donated_buffer=False). (I+W)/full: median of "
+          "per-round ratios. compiled bwd at I/W: compiled backward calls per microbatch and block.")
