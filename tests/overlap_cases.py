@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe._compat import runnable_on_gloo
+from titan_dualpipe.check.numerics import compile_blocks
 from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
@@ -63,9 +64,17 @@ def _is_expert(name: str) -> bool:
     return ".moe.experts." in name
 
 
+def _compile_blocks(modules, backend: str | None) -> None:
+    """Each block torch.compile'd in place, as torchtitan compiles them (before FSDP)."""
+    for module in modules if backend else ():
+        compile_blocks(module, backend)
+
+
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
-          schedule_cls: Any = None) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
-    """Reference model, this rank's stage modules and schedule (same init on every call)."""
+          schedule_cls: Any = None, compile_backend: str | None = None,
+          ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
+    """Reference model, this rank's stage modules and schedule (same init on every call);
+    ``compile_backend``: the blocks of both compiled in place."""
     topo = topology()
     place = placement(schedule, PP, n)
     torch.manual_seed(0)
@@ -76,6 +85,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     modules = {s: parts[place.model_part(s)] for s in place.stages_of(topo.pp_rank)}
     for module in modules.values():
         expert_parallel(module, comm)
+    _compile_blocks([*modules.values(), reference], compile_backend)
     if fsdp:
         _shard_all_but_experts(modules.values(), topo.ep_mesh)
     stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=topo.pp_group)
@@ -130,17 +140,22 @@ def _step(sched, modules, place, x, y) -> list[float]:
 
 
 def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2,
-                 relay: bool = False) -> dict:
+                 relay: bool = False, compile_backend: str | None = None) -> dict:
     """overlap=True and overlap=False: each matches the reference (losses, every gradient,
     two steps with Adam between) and the two agree bit for bit. ``relay``: the module
-    without its protocol."""
+    without its protocol; ``compile_backend``: blocks compiled in place (the reference's too)."""
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
     module_cls = RelayedMoETransformer if relay else MoETransformer
     runs = {}
     for overlap in (True, False):
-        runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls)
+        runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
+                              compile_backend=compile_backend)
     reference = runs[True][0]
+    if compile_backend:  # compiled stages keep their backward whole
+        from torch._dynamo.utils import counters
+
+        assert all(r[2].whole_backward_stages == set(r[1]) for r in runs.values())
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {o: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
             for o, r in runs.items()}
@@ -175,6 +190,8 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
         for opt in (*opts.values(), ref_opt):
             opt.step()
             opt.zero_grad()
+    if compile_backend:
+        result["compiled_frames"] = counters["frames"]["ok"]
     return result
 
 
@@ -306,12 +323,28 @@ def failure_in_pair(n: int = 4, relay: bool = False) -> dict:
     return {"raised": False, "elapsed_s": time.monotonic() - start}
 
 
+@contextlib.contextmanager
+def _logged_messages(name: str) -> Iterator[list[str]]:
+    """Messages logged to logger ``name`` inside the block."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 def relayed_all_to_all_matches_torch() -> dict:
     """relayed_all_to_all_single == torch's all_to_all_single_autograd, forward and backward,
-    with uneven splits, bit for bit."""
+    with uneven splits, bit for bit; also when traced into a compiled graph (twice: said once)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    from titan_dualpipe.overlap.comm import relayed_all_to_all_single
+    from titan_dualpipe.overlap.comm import relayed_all_to_all_single, warn_once_if_exchange_traced
 
     group, me = topology().ep_group, topology().ep_index
     send = [1 + me, 3 - me]  # rows this rank sends to EP index 0 and 1
@@ -319,14 +352,20 @@ def relayed_all_to_all_matches_torch() -> dict:
     torch.manual_seed(10 + dist.get_rank())
     x = torch.randn(sum(send), 5, requires_grad=True)
     weight = torch.randn(sum(recv), 5)
+    traced = torch.compile(relayed_all_to_all_single, backend="aot_eager", fullgraph=True)
     results = []
-    for fn in (relayed_all_to_all_single, all_to_all_single_autograd):
-        out = fn(x, recv, send, group)
-        out = out.wait() if hasattr(out, "wait") else out
-        (grad,) = torch.autograd.grad((out * weight).sum(), x)
-        results.append((out.detach().clone(), grad))
-    (a, ga), (b, gb) = results
-    return {"forward_equal": torch.equal(a, b), "backward_equal": torch.equal(ga, gb), "rows": a.shape[0]}
+    with _logged_messages("titan_dualpipe") as warnings:
+        told = [warn_once_if_exchange_traced()]  # nothing traced yet
+        for fn in (relayed_all_to_all_single, all_to_all_single_autograd, traced, traced):
+            out = fn(x, recv, send, group)
+            out = out.wait() if hasattr(out, "wait") else out
+            (grad,) = torch.autograd.grad((out * weight).sum(), x)
+            results.append((out.detach().clone(), grad))
+            told.append(warn_once_if_exchange_traced())
+    (a, ga), *others = results  # ours; then torch's, and ours traced into a compiled graph (twice)
+    return {"forward_equal": all(torch.equal(a, b) for b, _ in others),
+            "backward_equal": all(torch.equal(ga, gb) for _, gb in others), "rows": a.shape[0],
+            "told": told, "warnings": [m for m in warnings if "inside a torch.compile'd graph" in m]}
 
 
 def relayed_exchange_emulated_cost(seconds: float = 0.2) -> dict:

@@ -29,6 +29,7 @@ so it overlaps with the partner half when a pair runs as a relay.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from .._compat import post_all_to_all_single, wait_collective
 from .relay import hand_over
 
 T = TypeVar("T")
+logger = logging.getLogger("titan_dualpipe")
 
 
 @dataclass(frozen=True)
@@ -357,4 +359,38 @@ def relayed_all_to_all_single(
     if output_split_sizes is None or input_split_sizes is None:
         size = dist.get_world_size(group)
         output_split_sizes = input_split_sizes = [x.shape[0] // size] * size
+    if torch.compiler.is_compiling():
+        return _traced_exchange(x, list(output_split_sizes), list(input_split_sizes), group, tag)
     return _RelayedAllToAllSingle.apply(x, list(output_split_sizes), list(input_split_sizes), group)
+
+
+# Set by every run of a compiled graph that traced an exchange (dynamo replays the store after
+# the graph); read outside graphs by warn_once_if_exchange_traced.
+_exchange_traced = False
+_told_traced = False
+
+
+def _traced_exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
+                     tag: str) -> torch.Tensor:
+    """The exchange inside a graph torch.compile is tracing (a block compiled with
+    ``fullgraph=True`` around it): torch's traceable exchange, the same result, without a
+    hand-over (a compiled graph runs to its end)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    global _exchange_traced
+    _exchange_traced = True
+    return all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group, tag)
+
+
+def warn_once_if_exchange_traced() -> bool:
+    """After a relayed pair: say once per process when an exchange ran inside a compiled graph,
+    where the partner half cannot run while it is in flight. True when it said so now."""
+    global _told_traced
+    if not _exchange_traced or _told_traced:
+        return False
+    _told_traced = True
+    logger.warning("an expert-parallel all-to-all runs inside a torch.compile'd graph: a relayed pair cannot "
+                   "switch halves inside a graph, so pairs holding it run their halves one after the other; "
+                   "compile the block without fullgraph (the exchange then breaks the graph) or compile the "
+                   "parts around the exchange to overlap it")
+    return True

@@ -20,6 +20,7 @@ from typing import Any
 from .._compat import SEND_F, _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from ..runtime.executor import StepExecutor
 from ..runtime.pairs import register_overlapped
+from .comm import warn_once_if_exchange_traced
 from .protocol import overlap_implementation
 from .relay import run_relayed
 
@@ -34,6 +35,7 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
             executor.post_send_early(_Action(forward.stage_index, SEND_F, forward.microbatch_index))
 
         run_relayed(forward_half, lambda: executor.run_backward(backward))
+        warn_once_if_exchange_traced()
         return
 
     failure: list[BaseException] = []
