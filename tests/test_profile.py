@@ -103,3 +103,47 @@ def test_activation_meter_counts_saved_tensors_once_and_frees_with_the_graph():
             stage_backward_weight(module.parameters(), groups)
             del out, groups
         assert meter.live == 0
+
+
+def test_whole_backward_stages_count_their_input_part_as_the_full_backward_and_no_weight():
+    """A stage whose backward runs whole at I (torch.compile'd): its I is a full backward and its
+    W a no-op, so B takes the I and W comes out 0 (I = B), whatever the no-op W measured."""
+    place = placement("DualPipeV", 2, 4)
+    timeline = [_event(_Action(1, F, 0), 1.0), _event(_Action(2, B, 0), 4.0),
+                _event(_Action(2, I, 3), 4.5), _event(_Action(2, W, 3), 1e-5),
+                _event(_Action(0, I, 3), 0.0), _event(_Action(0, W, 3), 5.0)]
+    costs = costs_from(timeline, place, whole_stages=range(4))
+    assert (costs.B, costs.W, costs.I) == (4.5, 0.0, 4.5)  # B: median of 4.0, 4.5 and 5.0
+    assert costs_from(timeline, place).W == 1e-5  # not whole: the W measured
+
+
+def test_profile_compile_runs_each_compiled_backward_whole_at_input(capsys):
+    """``profile --compile``: every block compiled in place; the profiled step's W actions ran no
+    compiled backward, each microbatch of each stage ran exactly one (at B, a pair, a
+    non-first stage's I or a first stage's W), and the costs carry W = 0."""
+    import json
+
+    from titan_dualpipe.cli import main
+
+    pp, n, layers = 2, 4, 4  # DualPipeV: 2 * pp stages of one block each
+    argv = ["profile", "--schedule", "DualPipeV", "--pp", str(pp), "--microbatches", str(n), "--steps", "2",
+            "--dim", "16", "--layers", str(layers), "--seq", "8", "--compile", "--compile-backend", "aot_eager",
+            "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    compiled = result["compiled"]
+    calls = compiled["compiled_backward_calls"]
+    assert calls["W"] == 0 and calls["F"] == 0 and calls["I"] > 0, calls
+    assert calls["B"] + calls["I"] + calls["F&B"] == layers * n, calls  # one compiled backward per block and microbatch
+    assert result["costs_s"]["W"] == 0 and result["costs_s"]["I"] == result["costs_s"]["B"] > 0
+    assert compiled["W"] == 0 and 0 < compiled["eager_split"]["costs_s"]["W"] < compiled["eager_split"]["costs_s"]["B"]
+    assert 0 <= result["simulated_bubble_ratio"] < 1 and 0 <= compiled["eager_split"]["simulated_bubble_ratio"] < 1
+
+
+@pytest.mark.parametrize("extra,named", [(["--compile-backend", "aot_eager"], "add --compile"),
+                                         (["--compile", "--compile-backend", "eager"], "--compile-backend 'eager'")])
+def test_profile_compile_options_are_checked_before_spawning(extra, named, capsys):
+    from titan_dualpipe.cli import main
+
+    assert main(["profile", "--pp", "2", *extra]) == 2
+    assert named in capsys.readouterr().err

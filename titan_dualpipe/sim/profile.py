@@ -9,16 +9,27 @@ Runs our schedule on ``pp`` local CPU processes with a TinyLM stage module and
   :class:`~titan_dualpipe.sim.memory.ActivationMeter`) over the last step and sets it next to
   the simulator's prediction: its live-activation count over the order, each stage-microbatch
   weighing what one forward of that stage saves.
+
+``--compile`` compiles every TinyLM block in place first (``block.compile(backend=...)``, as
+torchtitan does). Our runtime runs a compiled stage's backward whole at its I and makes its W a
+no-op (``runtime/split_backward.py``), so the measured I is a full backward and W takes nothing:
+the costs count those I as full backwards and set ``W = 0`` (``I = B``), and the output sets the
+simulated bubble next to the one the same costs would give with the eager split's weight share
+of the backward (sampled on an uncompiled copy of a stage). One more step, under torch's
+profiler, counts the compiled backward calls each action kind ran (W: none).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Collection
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +41,9 @@ from .engine import peak_activations, simulate
 from .memory import ActivationMeter, peak_activation_bytes
 from .schedules import pipeline_for
 from .timeline import TimedAction, action_kind, draw_timeline, write_trace
+
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+COMPUTE_KINDS = ("F", "B", "I", "W", "F&B")  # as action_kind names them
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,19 +57,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=8, help="TinyLM blocks, split over the stages")
     p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--no-overlap", action="store_true", help="run pairs sequentially")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every block in place first (backward whole at I, W a no-op: W=0)")
+    p.add_argument("--compile-backend", help=f"with --compile: {' or '.join(COMPILE_BACKENDS)} (default inductor)")
     p.add_argument("-o", "--output", help="picture of the measured timeline (png/svg/pdf; needs matplotlib)")
     p.add_argument("--trace", help="Chrome/Perfetto trace of the measured timeline")
     p.add_argument("--json", action="store_true", help="print costs and times as JSON")
     p.set_defaults(func=run)
 
 
-def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repeats: int = 5) -> tuple[float, float]:
+def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repeats: int = 5,
+                           module: torch.nn.Module | None = None) -> tuple[float, float]:
     """Median seconds of torch's split backward (input part, weight part) of one microbatch on
-    ``stage``, a stage that is not its chain's first (there the weight part is the whole backward)."""
+    ``stage``, a stage that is not its chain's first (there the weight part is the whole backward);
+    on ``module`` in its place if given (an uncompiled copy of a compiled stage's module)."""
     from .._compat import stage_backward_input, stage_backward_weight
     from ..bench.model import lm_loss
 
-    module = stage.submod
+    module = stage.submod if module is None else module
     samples = []
     for _ in range(repeats):
         h = torch.randn(x_rows, cfg["seq"], cfg["dim"], requires_grad=True)
@@ -85,6 +104,9 @@ def _measure(cfg: dict) -> dict:
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=cfg["dim"], layers=cfg["layers"], heads=4)
     parts = split_model(model, place.num_stages if not place.bidirectional else place.pp_size)
+    eager_parts = copy.deepcopy(parts) if cfg["compile"] else parts
+    if cfg["compile"]:
+        _compile_blocks(parts, cfg["compile"])
     stages = [PipelineStage(parts[place.model_part(s)], s, place.num_stages, torch.device("cpu"))
               for s in place.stages_of(rank)]
     cls = ScheduleDualPipe if place.bidirectional else ScheduleDualPipeV
@@ -103,12 +125,43 @@ def _measure(cfg: dict) -> dict:
     timeline = schedule.collect_timeline()
     probe = next(s for s in stages if not place.is_first(s.stage_index))
     split: list = [None] * place.pp_size
-    dist.all_gather_object(split, _split_backward_sample(probe, place, 4, cfg))
+    eager_probe = eager_parts[place.model_part(probe.stage_index)]
+    dist.all_gather_object(split, _split_backward_sample(probe, place, 4, cfg, module=eager_probe))
     memory: list = [None] * place.pp_size
     dist.all_gather_object(memory, (meter.peak, {s.stage_index: _stage_activation_bytes(s, place, 4, cfg)
                                                  for s in stages}))
+    calls: list = [None] * place.pp_size
+    if cfg["compile"]:  # one more step, under the profiler: compiled backward calls per action kind
+        step = (lambda: schedule.step(x, target=x)) if feeds else schedule.step
+        dist.all_gather_object(calls, compiled_backward_calls_per_kind(schedule, place, rank, step))
     return {"timeline": timeline, "step_time": max(times), "split_backward": split, "memory": memory,
-            "order": schedule.pipeline_order}
+            "order": schedule.pipeline_order, "compiled_backward_calls": calls}
+
+
+def _compile_blocks(parts: list, backend: str) -> None:
+    """torch.compile every block of every part in place, as torchtitan compiles a model's blocks."""
+    for part in parts:
+        for block in part.layers.values():
+            block.compile(backend=backend)
+
+
+def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step) -> dict[str, int]:
+    """Compiled backward calls ``step()`` ran on this rank, by the kind of action they ran in, as
+    :func:`costs_from` counts kinds: a chain-first stage's W is its full backward (``B``), its I
+    nothing."""
+    from .._compat import _get_profiler_function_name
+    from ..bench.compile import compiled_backwards_by_range
+
+    actions = {_get_profiler_function_name(a): a for a in schedule.pipeline_order_with_comms[rank] if a is not None}
+    counts: dict[str, int] = dict.fromkeys(COMPUTE_KINDS, 0)
+    for name, n in compiled_backwards_by_range(step).items():
+        action = actions.get(name)
+        kind = action_kind(action) if action is not None else "outside actions"
+        if kind in ("I", "W") and place.is_first(action.stage_index):
+            kind = "B" if kind == "W" else "I on a chain-first stage"
+        if n or kind in COMPUTE_KINDS:
+            counts[kind] = counts.get(kind, 0) + n
+    return dict(counts)
 
 
 def _stage_activation_bytes(stage, place: Placement, rows: int, cfg: dict) -> int:
@@ -144,20 +197,25 @@ def activation_memory(measured: dict) -> dict:
 
 
 def costs_from(timeline: list[TimedAction], place: Placement,
-               split_samples: list[tuple[float, float]] | None = None) -> Costs:
+               split_samples: list[tuple[float, float]] | None = None, whole_stages: Collection[int] = ()) -> Costs:
     """Median duration of each action kind; a missing kind is derived from the others.
 
     On a chain's first stage torch's split backward has no input gradient to compute, so its I
-    takes nothing and its W runs the whole backward: those count as full backwards. W then
+    takes nothing and its W runs the whole backward: those count as full backwards. On
+    ``whole_stages`` (stages whose backward runs whole at I, e.g. torch.compile'd ones) the I is
+    the full backward and the W a no-op: the I count as full backwards, the W not at all. W then
     comes from the other stages' W actions, or, where the schedule splits backwards on first
     stages only (DualPipe at pp=2), from ``split_samples`` (each rank's (input, weight) seconds
-    of a split backward on a non-first stage) as their weight share of the measured B.
+    of a split backward on a non-first stage) as their weight share of the measured B; with
+    neither, ``W = 0`` (``I = B``).
     """
     by_kind: dict[str, list[float]] = defaultdict(list)
     for event in timeline:
         kind = action_kind(event.action)
-        if kind in ("I", "W") and place.is_first(event.action.stage_index):
-            if kind == "W":
+        stage = event.action.stage_index
+        if kind in ("I", "W") and (place.is_first(stage) or stage in whole_stages):
+            full = "W" if place.is_first(stage) else "I"  # the action that ran the whole backward
+            if kind == full:
                 by_kind["B"].append(event.end - event.start)
             continue
         by_kind[kind].append(event.end - event.start)
@@ -170,39 +228,102 @@ def costs_from(timeline: list[TimedAction], place: Placement,
     return Costs(F=median["F"], B=max(b, w), W=w, FB=median.get("F&B"))
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..bench.spawn import run_on_processes
-
+def _config(args: argparse.Namespace) -> dict:
+    """The workers' config from the command line; ValueError naming a bad option and its fix."""
     schedule = canonical_name(args.schedule)
     place = placement(schedule, args.pp, args.microbatches)  # ValueError before spawning
     parts = place.pp_size if place.bidirectional else place.num_stages
     if args.layers < parts:
         raise ValueError(f"--layers {args.layers}: {schedule} at --pp {args.pp} cuts the model into {parts} parts; "
                          f"give --layers {parts} or more")
-    cfg = {"schedule": schedule, "pp": args.pp, "microbatches": args.microbatches, "steps": max(1, args.steps),
-           "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap}
+    if args.compile_backend is not None and not args.compile:
+        raise ValueError(f"--compile-backend {args.compile_backend}: add --compile (or drop --compile-backend)")
+    backend = args.compile_backend or COMPILE_BACKENDS[0]
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"--compile-backend {backend!r}: give one of {', '.join(COMPILE_BACKENDS)}")
+    return {"schedule": schedule, "pp": args.pp, "microbatches": args.microbatches, "steps": max(1, args.steps),
+            "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap,
+            "compile": backend if args.compile else None}
+
+
+def compiled_summary(measured: dict, place: Placement, pipe, costs: Costs) -> dict:
+    """What compiling does to the costs and the bubble: the measured I and W actions of non-first
+    stages (a full backward, a no-op), the compiled backward calls per action kind over all ranks,
+    and the simulation with ``W = 0`` next to one with the eager split's weight share of ``B``."""
+    durations: dict[str, list[float]] = defaultdict(list)
+    for event in measured["timeline"]:
+        kind = action_kind(event.action)
+        if kind in ("I", "W") and not place.is_first(event.action.stage_index):
+            durations[kind].append(event.end - event.start)
+    calls: dict[str, int] = defaultdict(int)
+    for rank_calls in measured["compiled_backward_calls"]:
+        for kind, n in rank_calls.items():
+            calls[kind] += n
+    shares = [w / (i + w) for i, w in measured["split_backward"] if i + w > 0]
+    eager = replace(costs, W=costs.B * statistics.median(shares)) if shares else costs
+    eager_run = simulate(pipe, eager)
+    return {"backend": measured["backend"], "W": costs.W,
+            "measured_action_s": {kind: statistics.median(d) for kind, d in sorted(durations.items())},
+            "compiled_backward_calls": dict(sorted(calls.items())),
+            "eager_split": {"weight_share": eager.W / eager.B, "costs_s": eager.as_dict(),
+                            "simulated_step_s": eager_run.makespan, "simulated_bubble_ratio": eager_run.bubble_ratio}}
+
+
+def _print_compiled(result: dict) -> None:
+    compiled, eager = result["compiled"], result["compiled"]["eager_split"]
+    actions = compiled["measured_action_s"]
+    print(f"compiled blocks ({compiled['backend']}): every stage's backward runs whole at I and its W is a no-op, "
+          f"so the simulation takes I=B, W={compiled['W']:g}")
+    if actions:
+        print("  measured on non-first stages: " + ", ".join(f"{k} {v:.6f} s" for k, v in actions.items()))
+    print("  compiled backward calls in one more step, by action kind: "
+          + ", ".join(f"{k} {n}" for k, n in compiled["compiled_backward_calls"].items()))
+    print(f"  simulated: W=0 step {result['simulated_step_s']:.4f} s, "
+          f"bubble {result['simulated_bubble_ratio']:.1%}; "
+          f"with the eager split (W={eager['costs_s']['W']:.4f} s, {eager['weight_share']:.0%} of B) "
+          f"step {eager['simulated_step_s']:.4f} s, bubble {eager['simulated_bubble_ratio']:.1%}")
+
+
+def _print_result(result: dict, costs: Costs) -> None:
+    memory = result["activation_memory"]
+    print(f"measured costs (s): {costs}")
+    print(f"step time: measured {result['measured_step_s']:.4f} s, simulated with these costs "
+          f"{result['simulated_step_s']:.4f} s (bubble {result['simulated_bubble_ratio']:.1%})")
+    if "compiled" in result:
+        _print_compiled(result)
+    print("activation memory, saved for backward (MiB); simulated: live stage-microbatches x their measured size")
+    print(f"{'rank':>4}  {'measured peak':>13}  {'simulated':>9}  {'measured/simulated':>18}  {'live at peak':>12}")
+    rows = zip(memory["measured_peak_bytes"], memory["simulated_peak_bytes"], memory["simulated_peak_stage_microbatches"])
+    for rank, (m, p, count) in enumerate(rows):
+        print(f"{rank:>4}  {m / 2**20:>13.2f}  {p / 2**20:>9.2f}  {m / p if p else float('nan'):>18.3f}  {count:>12}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.spawn import run_on_processes
+
+    cfg = _config(args)
+    schedule = cfg["schedule"]
+    place = placement(schedule, args.pp, args.microbatches)
     measured = run_on_processes(_measure, args.pp, cfg)
+    measured["backend"] = cfg["compile"]
     timeline = measured["timeline"]
-    costs = costs_from(timeline, placement(schedule, args.pp, args.microbatches), measured["split_backward"])
-    predicted = simulate(pipeline_for(schedule, args.pp, args.microbatches), costs).makespan
+    whole = range(place.num_stages) if cfg["compile"] else ()  # every stage holds compiled blocks
+    costs = costs_from(timeline, place, None if cfg["compile"] else measured["split_backward"], whole_stages=whole)
+    pipe = pipeline_for(schedule, args.pp, args.microbatches)
+    simulated = simulate(pipe, costs)
     if args.output:
-        place = placement(schedule, args.pp, args.microbatches)
         direction_of = place.chain_of if place.bidirectional else (lambda stage: int(stage >= place.pp_size))
         draw_timeline(timeline, args.output, title=f"{schedule} pp={args.pp} n={args.microbatches}, measured",
                       direction_of=direction_of, time_label="seconds")
     if args.trace:
         write_trace(timeline, args.trace, us_per_unit=1e6)
-    memory = activation_memory(measured)
-    result = {"costs_s": costs.as_dict(), "measured_step_s": measured["step_time"], "simulated_step_s": predicted,
-              "activation_memory": memory}
+    result = {"costs_s": costs.as_dict(), "measured_step_s": measured["step_time"],
+              "simulated_step_s": simulated.makespan, "simulated_bubble_ratio": simulated.bubble_ratio,
+              "activation_memory": activation_memory(measured)}
+    if cfg["compile"]:
+        result["compiled"] = compiled_summary(measured, place, pipe, costs)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"measured costs (s): {costs}")
-        print(f"step time: measured {measured['step_time']:.4f} s, simulated with these costs {predicted:.4f} s")
-        print("activation memory, saved for backward (MiB); simulated: live stage-microbatches x their measured size")
-        print(f"{'rank':>4}  {'measured peak':>13}  {'simulated':>9}  {'measured/simulated':>18}  {'live at peak':>12}")
-        rows = zip(memory["measured_peak_bytes"], memory["simulated_peak_bytes"], memory["simulated_peak_stage_microbatches"])
-        for rank, (m, p, count) in enumerate(rows):
-            print(f"{rank:>4}  {m / 2**20:>13.2f}  {p / 2**20:>9.2f}  {m / p if p else float('nan'):>18.3f}  {count:>12}")
+        _print_result(result, costs)
     return 0
