@@ -25,7 +25,8 @@ from titan_dualpipe.overlap.segments import run_to_completion
 
 ARGS = MoEArgs(vocab_size=64, dim=16, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=32)
 BENCH_CFG = dict(pp=1, ep=1, device="cpu", rounds=1, steps=1, microbatches=4, layers=2, dim=16, seq=8, experts=4,
-                 comm_ratio=1.0, latency_ms=0.0, bandwidth_gbps=None, dualpipe=False, relay=True)
+                 comm_ratio=1.0, latency_ms=0.0, bandwidth_gbps=None, dualpipe=False, relay=True,
+                 compile="aot_eager")  # the compiled runs too
 
 
 def _model(comm: ExpertParallelComm) -> MoETransformer:
@@ -104,6 +105,7 @@ def test_bench_runs_charge_the_same_exchanges(world_of_one):
 
     comm = ExpertParallelComm(None, EmulatedNetwork())
     schedules = bench._schedules(BENCH_CFG, dist.distributed_c10d._get_default_group(), comm, 0)
+    assert {name for name, _, _ in bench.COMPILED_CONFIGS} < set(schedules)
     n, per_step = BENCH_CFG["microbatches"], 2 * BENCH_CFG["layers"] * BENCH_CFG["microbatches"]
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 512, (2 * n, BENCH_CFG["seq"]), generator=g) for _ in range(2))

@@ -195,7 +195,7 @@ def test_bench_rejects_bad_settings_before_spawning(change, message):
     from titan_dualpipe.bench.overlap import measure
 
     cfg = dict(pp=2, ep=2, device="cpu", rounds=1, steps=1, microbatches=8, layers=4, dim=16, seq=8, experts=4,
-               comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
+               comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True, compile=None)
     with pytest.raises(ValueError, match=re.escape(message)):
         measure({**cfg, **change})
 

@@ -258,7 +258,7 @@ def test_bench_overlap_runs_on_this_device():
     from titan_dualpipe.bench.overlap import measure
 
     cfg = dict(pp=1, ep=1, device=DEVICE.type, rounds=1, steps=1, microbatches=4, layers=2, dim=32, seq=16,
-               experts=4, comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True)
+               experts=4, comm_ratio=1.0, latency_ms=None, bandwidth_gbps=None, dualpipe=False, relay=True, compile=None)
     result = measure(cfg)
     for name in ("overlap", "overlap_relay", "sequential", "torch_dualpipev"):
         assert result[f"step_time_{name}"] > 0 and result[f"exposed_comm_{name}"] >= 0

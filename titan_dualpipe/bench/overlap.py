@@ -18,7 +18,9 @@ overlapped step time; ``--pp 1 --ep 2`` there (or a GPU) measures the overlap it
 Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` (the
 module's protocol; and, unless ``--no-relay``, the module without it, run as a relay) and
 ``overlap=False``, torch's ScheduleDualPipeV and ScheduleZBVZeroBubble (and, with
-``--dualpipe``, our ScheduleDualPipe both ways). Rounds are paired: each round times a few
+``--dualpipe``, our ScheduleDualPipe both ways; with ``--compile BACKEND``, our V schedule again
+with every block compiled in place as torchtitan compiles them: overlapped, as a relay, and
+sequential; the exchanges stay outside the compiled graphs). Rounds are paired: each round times a few
 steps of every schedule in a rotated order; medians over rounds are reported. Exposed
 communication is the time spent blocked in all-to-all waits (on a GPU: the compute stream's
 stall, from CUDA events), per step, averaged over ranks. The CPU bound is all processes' CPU
@@ -47,6 +49,9 @@ from .model import lm_loss
 from .spawn import run_on_processes
 
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
+# (name, run as a relay, overlap) of the runs with compiled blocks
+COMPILED_CONFIGS = (("compiled_overlap", False, True), ("compiled_relay", True, True),
+                    ("compiled_sequential", False, False))
 # --dim / --seq when not given: a GPU needs blocks large enough to be compute-bound, not launch-bound.
 DEFAULT_SIZES = {"cpu": {"dim": 64, "seq": 32}, "cuda": {"dim": 1024, "seq": 1024}}
 
@@ -72,6 +77,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="fixed bandwidth in GB/s (1e9 bytes/s) per all-to-all (skips calibration)")
     p.add_argument("--dualpipe", action="store_true", help="also time our ScheduleDualPipe, overlap on and off")
+    p.add_argument("--compile", metavar="BACKEND", choices=("inductor", "aot_eager"), default=None,
+                   help="also time the blocks torch.compile'd in place (overlap, relay, sequential)")
     p.add_argument("--no-relay", dest="relay", action="store_false",
                    help="skip the overlap_relay run (the module without its protocol)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -209,14 +216,25 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
         "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(v_stages(), n, loss_fn=lm_loss)), feeds_v),
         "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss)), feeds_v),
     }
-    if cfg["relay"]:  # same initial weights (the same model split again), its own copies
-        relayed = [split_parts(model, 2 * pp)[s] for s in v_ids]
-        for m in relayed:
-            m.__class__ = RelayedMoETransformer
+    def v_copies(relay: bool = False, compile_backend: str | None = None) -> list:
+        """Stages of a fresh copy of the V parts (same initial weights: the same model split again)."""
+        copies = [split_parts(model, 2 * pp)[s] for s in v_ids]
+        for m in copies:
+            if relay:
+                m.__class__ = RelayedMoETransformer
             expert_parallel(m, comm)
             m.to(device)
-        stages = [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(relayed, v_ids, strict=True)]
-        out["overlap_relay"] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=True), feeds_v)
+            for block in m.layers.values() if compile_backend else ():
+                block.compile(backend=compile_backend)  # in place, as torchtitan compiles blocks
+        return [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(copies, v_ids, strict=True)]
+
+    if cfg["relay"]:
+        out["overlap_relay"] = (ScheduleDualPipeV(v_copies(relay=True), n, loss_fn=lm_loss, overlap=True), feeds_v)
+    backend = cfg["compile"]
+    if backend:  # each run its own compiled copies (graphs guard on their module)
+        for name, relay, overlap in COMPILED_CONFIGS if cfg["relay"] else COMPILED_CONFIGS[::2]:
+            stages = v_copies(relay=relay, compile_backend=backend)
+            out[name] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap), feeds_v)
     if cfg["dualpipe"]:
         place = placement("DualPipe", pp, n)
         parts = split_parts(model, pp)
@@ -309,6 +327,10 @@ def measure(cfg: dict) -> dict:
     result["overlap_vs_sequential"] = result["step_time_overlap"] / result["step_time_sequential"]
     if cfg["relay"]:
         result["overlap_relay_vs_sequential"] = result["step_time_overlap_relay"] / result["step_time_sequential"]
+    if cfg["compile"]:
+        for name in ("compiled_overlap", "compiled_relay"):
+            if f"step_time_{name}" in result:
+                result[f"{name}_vs_sequential"] = result[f"step_time_{name}"] / result["step_time_compiled_sequential"]
     if cfg["dualpipe"]:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
                                                     / result["step_time_dualpipe_sequential"])
@@ -321,7 +343,7 @@ def measure(cfg: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     keys = ("pp", "ep", "device", "rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio",
-            "latency_ms", "bandwidth_gbps", "dualpipe", "relay")
+            "latency_ms", "bandwidth_gbps", "dualpipe", "relay", "compile")
     cfg = {k: getattr(args, k) for k in keys}
     for name, size in DEFAULT_SIZES[cfg["device"]].items():
         cfg[name] = size if cfg[name] is None else cfg[name]
@@ -342,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
     _print_table(result, cpu=cfg["device"] == "cpu")
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
+    if cfg["compile"]:
+        relay = f", relay {result['compiled_relay_vs_sequential']:.3f}" if cfg["relay"] else ""
+        print(f"compiled blocks ({cfg['compile']}), over compiled sequential: "
+              f"overlap {result['compiled_overlap_vs_sequential']:.3f}{relay}")
     return 0
 
 
