@@ -103,12 +103,6 @@ HAS_METADATA_VOTE: bool = InferenceMode is not None
 # own ScheduleZBVZeroBubble against this flag on each); our executor unshards them first.
 SPLIT_BACKWARD_NEEDS_UNSHARD: bool = True
 
-# torch.compile'd blocks inside a stage fail in a split backward (I, then W): torch's
-# stage_backward_input cannot differentiate part of a compiled graph (pytorch#161904). Still
-# so on 2.14 (tests/test_torch_versions.py runs it); our schedules run the backward of stages
-# holding compiled modules whole at I (runtime/split_backward.py).
-COMPILED_SPLIT_BACKWARD_WORKS: bool = False
-
 F = _ComputationType.FORWARD
 I = _ComputationType.BACKWARD_INPUT  # noqa: E741 - torch's own shorthand
 W = _ComputationType.BACKWARD_WEIGHT
@@ -453,7 +447,6 @@ def wait_collective(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "COMPILED_SPLIT_BACKWARD_WORKS",
     "HAS_METADATA_VOTE",
     "PipelineStage",
     "SPLIT_BACKWARD_NEEDS_UNSHARD",
