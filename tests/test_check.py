@@ -32,11 +32,13 @@ def test_layouts_cover_every_pp_that_fits():
 
 
 def test_check_on_two_cpu_processes_passes_every_case(capfd):
-    assert cli_main(["check", "--nproc", "2", "--json"]) == 0
+    assert cli_main(["check", "--nproc", "2", "--json", "--compile", "aot_eager"]) == 0
     out, err = capfd.readouterr()  # the ranks' warnings go to the file descriptors
     assert FSDP_VIEW_WARNING not in out + err
     report = json.loads(out)
-    assert report["backend"] == "gloo" and len(report["cases"]) == len(check_cli.cases_for(2)) == 5
+    assert report["backend"] == "gloo" and len(report["cases"]) == len(check_cli.cases_for(2, "aot_eager")) == 7
+    compiled = [o["case"] for o in report["cases"] if ["compile_backend", "aot_eager"] in o["case"]["options"]]
+    assert [(c["schedule"], c["pp"]) for c in compiled] == [("DualPipeV", 2), ("DualPipe", 2)]
     for outcome in report["cases"]:
         assert outcome["passed"] and outcome["order"] == "completes", outcome
         assert 0 <= outcome["grad_err"] <= 4e-5 and outcome["seconds"] > 0

@@ -4,8 +4,10 @@ in one command, written up as a short Markdown report.
 Parts (``--dry-run`` prints their command lines):
 
 - ``tests/gpu``: the GPU test suite (pytest), NCCL in a group of one rank;
-- ``check``: ``check --nproc 1 --backend nccl``, the numerics suite;
-- ``bench overlap``: ``bench overlap --device cuda --pp 1 --ep 1``, the overlap benchmark;
+- ``check``: ``check --nproc 1 --backend nccl --compile inductor``, the numerics suite (with
+  inductor-compiled blocks too);
+- ``bench overlap``: ``bench overlap --device cuda --pp 1 --ep 1 --compile inductor``, the
+  overlap benchmark (compiled rows too);
 - ``train``: torchtitan trains the llama3 debug model on the GPU. NCCL refuses two ranks on one
   GPU, so one GPU is one rank, and torchtitan builds a pipeline schedule only when
   ``pipeline_parallel_degree`` > 1: no torchtitan run of DualPipe or DualPipeV fits one GPU. The
@@ -137,9 +139,10 @@ def parts(logs: Path) -> list[Part]:
         Part("tests/gpu", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"), 600,
              "schedules, overlapped pairs (protocol, relay, AC), FSDP2, CSV orders, device checks and timing, "
              "NCCL on one rank", pytest_figures),
-        Part("check", _cli("check", "--nproc", "1", "--backend", "nccl", "--json"), 420,
-             "the numerics suite against a non-pipelined reference, NCCL order", check_figures),
-        Part("bench overlap", _cli("bench", "overlap", "--device", "cuda", "--pp", "1", "--ep", "1", "--json"), 420,
+        Part("check", _cli("check", "--nproc", "1", "--backend", "nccl", "--compile", "inductor", "--json"), 420,
+             "the numerics suite against a non-pipelined reference, NCCL order (blocks compiled too)", check_figures),
+        Part("bench overlap", _cli("bench", "overlap", "--device", "cuda", "--pp", "1", "--ep", "1",
+                                   "--compile", "inductor", "--json"), 420,
              "MoE all-to-all overlap in DualPipeV pairs (emulated network: a sleep kernel on a side stream)",
              overlap_figures),
         Part("train", _cli("train", *config, "--nproc", "1", *ONE_RANK, "--training.steps", str(TRAIN_STEPS),

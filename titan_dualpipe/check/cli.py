@@ -89,8 +89,10 @@ class Outcome:
     ranks: list[int] = field(default_factory=list)
 
 
-def cases_for(world: int) -> list[Case]:
-    """Every layout of N processes: DualPipeV on each pp dividing N, DualPipe on each even one."""
+def cases_for(world: int, compile_backend: str | None = None) -> list[Case]:
+    """Every layout of N processes: DualPipeV on each pp dividing N, DualPipe on each even one;
+    with ``compile_backend``, each schedule's deepest layout again with its blocks compiled in
+    place (against the reference compiled the same way)."""
     cases: list[Case] = []
     for schedule in ("DualPipeV", "DualPipe"):
         pps = [pp for pp in range(1, world + 1) if world % pp == 0 and (schedule == "DualPipeV" or pp % 2 == 0)]
@@ -101,6 +103,9 @@ def cases_for(world: int) -> list[Case]:
             pp = pps[-1]
             cases.append(Case(schedule, pp, world // pp, 2 * pp + 2,
                               (("defer_pp_recv", True), ("overlap", False))))
+        if pps and compile_backend:
+            pp = pps[-1]
+            cases.append(Case(schedule, pp, world // pp, 2 * pp + 2, (("compile_backend", compile_backend),)))
     return cases
 
 
@@ -253,6 +258,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="nccl (default when this machine has N GPUs) or gloo (CPU)")
     p.add_argument("--json", action="store_true", help="print the outcomes as JSON instead of a table")
+    p.add_argument("--compile", metavar="BACKEND", choices=("inductor", "aot_eager"), default=None,
+                   help="also run each schedule with its blocks torch.compile'd in place (reference compiled alike)")
     # CASE:RANK:KIND, makes one case fail on one rank (tests of the failure path); not for users
     p.add_argument("--fault", type=Fault.parse, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -274,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     backend = _backend(args.nproc, args.backend)
     from ..bench.spawn import run_on_processes
 
-    cases = cases_for(args.nproc)
+    cases = cases_for(args.nproc, args.compile)
     outcomes = run_on_processes(_worker, args.nproc, cases, backend, args.fault, backend=backend)
     if args.json:
         print(json.dumps({"backend": backend, "nproc": args.nproc, "torch": torch.__version__, "cases": outcomes},
