@@ -394,6 +394,18 @@ def _install_observers(install: bool) -> None:
 
 
 @contextlib.contextmanager
+def donated_buffers_off() -> Iterator[None]:
+    """``torch._functorch.config.donated_buffer = False`` inside, restored after: the only way
+    torch's split backward (I, then W) can run a compiled graph twice (pytorch#161904). Our
+    schedules never need it (a compiled stage's backward runs whole); ``bench compile`` uses
+    it to time the rejected alternative."""
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False):
+        yield
+
+
+@contextlib.contextmanager
 def checkpoint_regions_seen() -> Iterator[set[str]]:
     """Within the block, collect which kinds of non-reentrant activation-checkpoint regions run
     on this thread: ``"checkpoint"`` for any non-reentrant one (``torch.utils.checkpoint.checkpoint(...,
@@ -472,6 +484,7 @@ __all__ = [
     "check_torch_version",
     "checkpoint_regions_seen",
     "default_store",
+    "donated_buffers_off",
     "fsdp_data_parallel_sizes",
     "fsdp_gradient_divide_factors",
     "fsdp_shard_group_ranks",

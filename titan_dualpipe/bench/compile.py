@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from .._compat import donated_buffers_off
 from ..cli import HelpFormatter
 from .model import Block
 
@@ -102,16 +103,6 @@ def _compile_in_place(module: nn.Sequential, backend: str) -> nn.Sequential:
     for block in module:
         block.compile(backend=backend)  # in place, as torchtitan compiles each block
     return module
-
-
-@contextlib.contextmanager
-def donated_buffers_off() -> Iterator[None]:
-    """``torch._functorch.config.donated_buffer = False`` inside, restored after: the only way
-    torch's split backward can run a compiled graph (pytorch#161904)."""
-    from torch._functorch import config as functorch_config
-
-    with functorch_config.patch(donated_buffer=False):
-        yield
 
 
 @contextlib.contextmanager
