@@ -15,18 +15,20 @@ Applied by :func:`titan_dualpipe.titan.cpu.enable`, so only without an accelerat
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, create_mask
+from torch.nn.attention.flex_attention import AuxOutput, create_block_mask, create_mask
 
 
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod: Any, block_mask: Any, scale: float | None,
     enable_gqa: bool, return_aux: Any, kernel_options: dict,
-) -> tuple[torch.Tensor, SimpleNamespace]:
-    """``flex_attention(q, k, v, block_mask=..., scale=..., enable_gqa=...)`` on (B, N, L, H) tensors."""
+) -> tuple[torch.Tensor, AuxOutput]:
+    """``flex_attention(q, k, v, block_mask=..., scale=..., enable_gqa=...)`` on (B, N, L, H) tensors.
+
+    Returns flex attention's own ``AuxOutput`` (a NamedTuple): inside a block torchtitan compiles
+    with ``fullgraph=True`` Dynamo builds it, where it cannot build a ``SimpleNamespace``."""
     if score_mod is not None:
         raise NotImplementedError("CPU mode computes flex attention without score_mod; this model uses one")
     if enable_gqa and k.shape[1] != q.shape[1]:
@@ -37,7 +39,7 @@ def masked_attention(
     scores = scores.float().masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype) @ v
-    return out, SimpleNamespace(lse=lse)
+    return out, AuxOutput(lse=lse)
 
 
 def enable() -> None:

@@ -69,10 +69,42 @@ class TorchWithIntegerHistc:
         return integer_histc(values, bins, min, max)
 
 
+@torch.library.custom_op("titan_dualpipe::grouped_mm_float32", mutates_args=())
+def grouped_mm_float32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` in float32, as an op torch.compile can trace.
+
+    torch's own op runs float32 on CPU, but its fake (meta) kernel accepts only bfloat16 and
+    float16 (torch 2.14.1, ``_meta_registrations.py``): a block torchtitan compiles around the
+    experts fails to trace it. Here the fake kernel gives the shape and the same kernels run,
+    forward and backward, bit for bit what eager autograd computes."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm_float32.register_fake
+def _grouped_mm_float32_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:  # tokens (M, K) x experts (E, K, N): (M, N)
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # (K, M) x (M, N) per group: (E, K, N)
+
+
+def _save_operands(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_float32_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    a, b, offs = ctx.saved_tensors
+    grad_a = grouped_mm_float32(grad, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    grad_b = grouped_mm_float32(a.transpose(0, 1), grad, offs) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+grouped_mm_float32.register_autograd(_grouped_mm_float32_backward, setup_context=_save_operands)
+
+
 def float32_grouped_mm(self: Any, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """0.3.0's ``GroupedExperts._grouped_mm`` in float32 (its output dtype follows; torchtitan
-    casts the experts' result back to the input's dtype)."""
-    return torch._grouped_mm(A.float(), B_t.float(), offs=offs)
+    casts the experts' result back to the input's dtype), compiled blocks included."""
+    return grouped_mm_float32(A.float(), B_t.float(), offs)
 
 
 def use_float32_experts_022(model_name: str, flavor: str) -> None:
