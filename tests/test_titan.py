@@ -7,7 +7,8 @@ The end-to-end runs are module fixtures shared by several tests, so each configu
 trained once: DualPipe (with checkpoints, the twin probe), its 1F1B twin config, DualPipeV
 (overlapped pairs run sequentially), DualPipeV from a CSV (launched from another directory), a
 resume, one bad config, one unparsable override, and the MoE debug model with expert
-parallelism (4 processes): DualPipe with overlapped and with sequential pairs, and DualPipeV.
+parallelism (4 processes): DualPipe with overlapped and with sequential pairs, and DualPipeV; the
+debug model with torchtitan's compiled blocks (inductor) under DualPipeV and DualPipe.
 Runs with ``probe=True`` load ``tests/titan_probe.py`` into the trainer processes (on 0.3.0 as
 the ``--module``: a config registry of one's own that imports ours).
 """
@@ -551,6 +552,50 @@ def test_deepseek_v3_16b_config_trains_at_debug_size_with_its_full_ac(runs_dir: 
 
 
 # ---------------------------------------------------------------------------------------------
+# torch.compile: torchtitan's compiled blocks (inductor, C++ on the CPU) under both schedules
+
+COMPILE = ("--compile.enable", "--compile.components", "model,loss")
+COMPILED_BLOCKS_LOG = "Compiling each TransformerBlock with torch.compile"
+# Relative, losses and grad norms. Inductor fuses the blocks' float32 ops and reorders their
+# reductions (norms, softmax, matmul epilogues): the same sums in another order. Measured over 4
+# steps, against the eager run of the same schedule: losses equal to the log's 5 decimals (below
+# 1.3e-6 relative) and grad norms within 1e-7 on the dense debug model, both releases, DualPipeV and
+# DualPipe; 8e-6 on the MoE debug model with expert parallelism. 1e-4 leaves 100x margin over that and
+# still catches a wrong gradient: a W that ran the compiled backward twice, or a microbatch's backward
+# lost, moves step 2's loss by more than 1e-2 relative.
+COMPILE_TOLERANCE = 1e-4
+# DualPipeV: the compiled blocks alone; DualPipe: with memory-budget AC, torch.compile's partitioner
+# choosing what to recompute inside them (two runs instead of three keep CI's added time small).
+COMPILE_RUNS = {"DualPipeV": (), "DualPipe": MEMORY_BUDGET_AC[0]}
+
+
+@pytest.fixture(scope="module")
+def inductor_cache(runs_dir: Path) -> dict[str, str]:
+    """One inductor cache for the compiled runs of this module: the processes of a run and the
+    runs after it reuse the C++ kernels compiled first (the blocks are the same graph), which a
+    cold build on 2 cores pays once (about 35 s on this machine)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(runs_dir / "inductor_cache")}
+
+
+@pytest.mark.titan_e2e
+@pytest.mark.parametrize("schedule", sorted(COMPILE_RUNS, reverse=True))
+def test_compiled_model_trains_with_the_losses_of_the_eager_run(runs_dir: Path, request: pytest.FixtureRequest,
+                                                                 inductor_cache: dict[str, str], schedule: str) -> None:
+    """torchtitan's compiled blocks (each compiled in place, fullgraph, inductor) under our schedules:
+    each microbatch's backward of a compiled stage runs whole at I (a split one would stop at W:
+    pytorch#161904), giving the eager run's losses and grad norms (DualPipe with memory-budget AC)."""
+    name = "debug_dualpipev" if schedule == "DualPipeV" else "debug_dualpipe"
+    reference = request.getfixturevalue("dualpipev_run" if schedule == "DualPipeV" else "dualpipe_run")
+    run = _ok(train(name, runs_dir / f"compiled_{name}", *COMPILE, *COMPILE_RUNS[schedule], steps=AC_STEPS,
+                    env=inductor_cache))
+    assert COMPILED_BLOCKS_LOG in run.output
+    assert ("budget option" in run.output) is bool(COMPILE_RUNS[schedule])
+    steps = range(1, AC_STEPS + 1)
+    _assert_close(run.losses(), {s: reference.losses()[s] for s in steps}, rel=COMPILE_TOLERANCE)
+    _assert_close(run.grad_norms(), {s: reference.grad_norms()[s] for s in steps}, rel=COMPILE_TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------
 # In-process checks (no trainer processes)
 
 SHIPPED = ("debug_dualpipe", "debug_dualpipev", "debug_moe_dualpipe", "deepseek_v3_16b_dualpipe", "llama3_8b_dualpipev")
@@ -590,8 +635,10 @@ def test_train_configs_load_and_validate(name: str) -> None:
 
 
 GPU_CONFIGS = {  # config -> the world it is written for (the README's launch commands)
-    "llama3_8b_dualpipev": {"world": 8, "pp": 4, "dp_shard": 2, "ep": 1, "stages": 8},
-    "deepseek_v3_16b_dualpipe": {"world": 16, "pp": 4, "dp_shard": 4, "ep": 4, "stages": 8},
+    "llama3_8b_dualpipev": {"world": 8, "pp": 4, "dp_shard": 2, "ep": 1, "stages": 8,
+                            "compile": (False, ["model", "loss"])},  # torchtitan's compile settings, kept
+    "deepseek_v3_16b_dualpipe": {"world": 16, "pp": 4, "dp_shard": 4, "ep": 4, "stages": 8,
+                                 "compile": (True, ["loss"])},
 }
 
 
@@ -629,7 +676,7 @@ def test_gpu_configs_fit_the_world_they_declare(name: str) -> None:
     if dims.ep > 1:
         assert experts is not None and experts % dims.ep == 0
         assert (dims.dp_shard * dims.cp) % dims.ep == 0, "torchtitan shards experts inside the FSDP x CP group"
-    assert not (job.compile.enable and "model" in job.compile.components)
+    assert (job.compile.enable, list(job.compile.components)) == expected["compile"]
     ac = job.activation_checkpoint
     assert ac is not None if REGISTRY else ac.mode in ("selective", "full")
 
@@ -654,13 +701,15 @@ def test_gpu_configs_fit_the_world_they_declare(name: str) -> None:
             [key("validation.local_batch_size") + " = 12", "8 microbatches", "Set it to 8"],
             marks=pytest.mark.skipif(REGISTRY, reason="0.3.0 validates with the training batch"),
         ),
-        (["--compile.enable", "--compile.components", "model,loss"],
-         [key("compile.enable") + " = true", "not yet under torchtitan", key("compile.components") + ' = ["loss"]']),
-        (["--compile.enable", "--compile.components", "model,loss", *MEMORY_BUDGET_AC[0]],
-         [MEMORY_BUDGET_AC[1], "needs the model compiled", *MEMORY_BUDGET_AC[2]]),
+        pytest.param(
+            ["--compile.components", "model,loss", *MEMORY_BUDGET_AC[0]],
+            [MEMORY_BUDGET_AC[1], "needs the model compiled", key("compile.enable") + " = true",
+             '"model" in ' + key("compile.components"), *MEMORY_BUDGET_AC[2]],
+            marks=pytest.mark.skipif(REGISTRY, reason="0.3.0's own config refuses it first, naming --compile.enable"),
+        ),
     ],
     ids=["odd-pp", "too-few-microbatches", "batch-not-multiple", "layers-per-stage", "too-many-parts", "validation-batch",
-         "compiled-model", "memory-budget-ac"],
+         "memory-budget-ac-uncompiled"],
 )
 def test_bad_dualpipe_configs_name_the_keys(overrides: list[str], keys: list[str]) -> None:
     from titan_dualpipe.titan import check_job_config
@@ -669,6 +718,33 @@ def test_bad_dualpipe_configs_name_the_keys(overrides: list[str], keys: list[str
         check_job_config(_job_config("debug_dualpipe", *overrides), n_layers=6)
     for expected in keys:
         assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["debug_dualpipev", "debug_dualpipe"])
+def test_compiled_model_and_memory_budget_ac_pass_the_config_check(name: str) -> None:
+    """Compiled blocks run under both schedules (their backward whole at I), memory-budget AC with them."""
+    from titan_dualpipe.titan import check_job_config
+
+    for overrides in (COMPILE, (*COMPILE, *MEMORY_BUDGET_AC[0])):
+        job = _job_config(name, *overrides)
+        assert job.compile.enable and "model" in job.compile.components
+        assert check_job_config(job, n_layers=6) is not None
+
+
+@pytest.mark.skipif(REGISTRY, reason="0.3.0: CPU mode computes flex attention with plain tensor ops")
+def test_flex_attention_on_cpu_is_refused_naming_the_flavour_and_torch() -> None:
+    """torch's flex attention has no backward on CPU, compiled or not: refused before any collective."""
+    import torch
+
+    from titan_dualpipe.titan.config_check import check_cpu_attention, check_job_config
+
+    job = _job_config("debug_dualpipev", "--model.flavor", "debugmodel_flex_attn", *COMPILE)
+    plan = check_job_config(job, n_layers=6)
+    with pytest.raises(ValueError) as err:
+        check_cpu_attention(plan, job)
+    for expected in ("'debugmodel_flex_attn'", "no backward on CPU", torch.__version__.split("+")[0], '"debugmodel"'):
+        assert expected in str(err.value)
+    check_cpu_attention(plan, _job_config("debug_dualpipev", *COMPILE))  # sdpa: passes
 
 
 def test_0_3_0_refuses_a_batch_that_is_no_multiple_of_the_microbatch(capfd: pytest.CaptureFixture) -> None:
@@ -832,6 +908,28 @@ def _built_model(job):
     with torch.no_grad():
         init()
     return model
+
+
+def test_cpu_float32_grouped_mm_traces_and_equals_torchs() -> None:
+    """CPU mode's float32 expert multiply: torch's ``_grouped_mm`` bit for bit, forward and both
+    gradients, eager and traced by torch.compile (whose fake kernel for torch's op takes no float32)."""
+    import torch
+
+    from titan_dualpipe.titan.cpu_moe import grouped_mm_float32
+
+    torch.manual_seed(0)
+    tokens, experts = torch.randn(40, 16, requires_grad=True), torch.randn(4, 16, 24, requires_grad=True)
+    offs = torch.tensor([8, 8, 25, 40], dtype=torch.int32)  # an expert without tokens included
+    grad = torch.randn(40, 24)
+
+    def run(mm) -> list[torch.Tensor]:
+        out = mm(tokens, experts, offs)
+        return [out, *torch.autograd.grad(out, (tokens, experts), grad)]
+
+    expected = run(lambda a, b, o: torch._grouped_mm(a, b, offs=o))
+    compiled = torch.compile(grouped_mm_float32, backend="aot_eager", fullgraph=True)
+    for got in (run(grouped_mm_float32), run(compiled)):
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
 
 
 def test_cpu_mode_computes_moe_models_in_float32() -> None:
@@ -1281,6 +1379,49 @@ def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
         with pytest.raises(ValueError, match="give --comm-ratio 0"):
             bench._check(args)
         assert bench._check(argparse.Namespace(**{**vars(args), "comm_ratio": 0.0}))
+
+
+def test_bench_titan_compile_runs_each_schedule_compiled_and_compares_with_eager(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--compile``: each schedule's compiled run next to its eager one in the rounds, with
+    torchtitan's compile overrides and one inductor cache for every run; the table's ``vs eager``."""
+    from types import SimpleNamespace
+
+    from titan_dualpipe.bench import titan as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = bench.split_arguments(parser.parse_args(["titan", "c.toml", "--nproc", "1", "--schedules",
+                                                    "1F1B,DualPipeV,DualPipe", "--compile"]))
+    variants = bench._check(args)
+    assert [v.label for v in variants] == ["1F1B", "1F1B compiled", "DualPipeV", "DualPipeV compiled", "DualPipe",
+                                           "DualPipe compiled"]
+    for eager, compiled in zip(variants[::2], variants[1::2]):
+        assert (compiled.schedule, compiled.overlap, compiled.compiled, eager.compiled) == (eager.schedule, eager.overlap,
+                                                                                           True, False)
+    seen: list[tuple[list[str], dict[str, str]]] = []
+
+    def fake_run(argv: list[str], env: dict[str, str], **_: object) -> SimpleNamespace:
+        seen.append((argv, env))
+        (Path(env[bench.BENCH_DIR_ENV]) / "bench_rank0.json").write_text("{}")
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.delenv(bench.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    launcher = bench.Launcher("c.toml", 1, None, [], tmp_path)
+    for variant in variants[:2]:
+        launcher.run(variant, 3, 0.0)
+    (eager_argv, eager_env), (compiled_argv, compiled_env) = seen
+    assert "--compile.enable" not in eager_argv and " ".join(bench.COMPILE_OVERRIDES) in " ".join(compiled_argv)
+    assert eager_env[bench.INDUCTOR_CACHE_ENV] == compiled_env[bench.INDUCTOR_CACHE_ENV] == str(tmp_path / "inductor_cache")
+    figures = {"tokens_per_s": 1.0, "peak_memory_bytes": 2**20, "exposed_comm": 0.0}
+    schedules = {"1F1B": {**figures, "step_time": 2.0}, "1F1B compiled": {**figures, "step_time": 0.5},
+                 "DualPipe compiled": {**figures, "step_time": 1.0}}
+    assert bench.vs_eager(schedules, "1F1B compiled") == 4.0
+    assert bench.vs_eager(schedules, "1F1B") is None and bench.vs_eager(schedules, "DualPipe compiled") is None
+    table = bench.format_table({"schedules": schedules, "block_compute_s": None, "rounds": 1, "steps": 3, "warmup": 1,
+                                "nproc": 1})
+    assert "vs eager" in table.splitlines()[0] and "4.00x" in table.splitlines()[2]
 
 
 def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:

@@ -24,11 +24,18 @@ in order, and a token-count exchange (a few integers) costs no time of its own: 
 counts, right after posting them as torchtitan does, waits only for the exchanges posted before
 it on the group. ``... counts handed over`` (on request) hands over to the partner half between
 posting and reading them, for comparison (:mod:`titan_dualpipe.titan.expert_overlap`).
+
+``--compile`` adds each schedule compiled (torchtitan's ``compile.enable`` with ``"model"`` and
+``"loss"``: each transformer block compiled in place, inductor) next to it in every round, and
+the table gives its step time against the eager run's (``vs eager``: eager s/step over compiled
+s/step). Compilation falls in the warm-up steps; the runs share one inductor cache (set
+``TORCHINDUCTOR_CACHE_DIR`` to keep it), so only the first compiled run builds its kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -61,6 +68,7 @@ class Variant:
     overlap: bool | None = None  # None: the config's own setting (torch's schedules ignore it)
     fold_twins: bool = True
     count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
+    compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
 
 
 VARIANTS = (
@@ -79,6 +87,14 @@ VARIANTS = (
 BY_LABEL = {v.label: v for v in VARIANTS}
 DEFAULT_LABELS = [v.label for v in VARIANTS if not v.count_hand_over]  # the others are comparison runs, on request
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
+COMPILED = " compiled"  # label suffix of a compiled variant
+COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compiled(variant: Variant) -> Variant:
+    """``variant`` with torchtitan's model (its blocks) and loss compiled."""
+    return dataclasses.replace(variant, label=variant.label + COMPILED, compiled=True)
 
 
 OPTIONS: dict[str, dict] = {
@@ -90,6 +106,8 @@ OPTIONS: dict[str, dict] = {
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over')"),
+    "--compile": dict(action="store_true", default=False,
+                      help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
     "--json": dict(action="store_true", default=False, help="print JSON instead of a table"),
 }
@@ -127,7 +145,10 @@ def _check(args: argparse.Namespace) -> list[Variant]:
     unknown = [s for s in labels if s not in BY_LABEL]
     if unknown or not labels:
         raise ValueError(f"--schedules: unknown {unknown or labels}; choose from {', '.join(BY_LABEL)}")
-    return [BY_LABEL[s] for s in labels]
+    chosen = [BY_LABEL[s] for s in labels]
+    if getattr(args, "compile", False):  # each compiled run next to its eager one in the rotation
+        return [v for eager in chosen for v in (eager, compiled(eager))]
+    return chosen
 
 
 def _has_cuda() -> bool:
@@ -169,8 +190,10 @@ class Launcher:
         argv += [dump_folder_flag(self.registry), str(out / "dump")]
         argv += ["--training.steps", str(steps), "--parallelism.pipeline_parallel_schedule", variant.schedule]
         argv += [self._overlap_flag(variant.overlap)] if variant.overlap is not None else []
+        argv += list(COMPILE_OVERRIDES) if variant.compiled else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0"}
+        env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})
         log = out / "log.txt"
@@ -237,22 +260,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             shift = round_index % len(variants)
             for variant in variants[shift:] + variants[:shift]:
                 runs[variant.label].append(launcher.run(variant, args.steps, exchange_s))
+    schedules = {label: summarize(r, args.warmup) for label, r in runs.items()}
     return {
         "config": args.config, "nproc": args.nproc, "comm_ratio": args.comm_ratio, "rounds": args.rounds,
         "steps": args.steps, "warmup": args.warmup,
         "block_compute_s": block_s, "exchange_s": exchange_s,
-        "schedules": {label: summarize(r, args.warmup) for label, r in runs.items()},
+        "schedules": schedules,
+        "vs_eager": {label: vs_eager(schedules, label) for label in schedules if vs_eager(schedules, label) is not None},
         "phases": {label: phase_breakdown(r, args.warmup) for label, r in runs.items()},
     }
+
+
+def vs_eager(schedules: dict[str, dict[str, float]], label: str) -> float | None:
+    """A compiled variant's speed-up over its eager run (eager s/step / compiled s/step); None
+    for an eager variant or one whose eager run was not measured."""
+    if not label.endswith(COMPILED) or label[: -len(COMPILED)] not in schedules:
+        return None
+    return schedules[label[: -len(COMPILED)]]["step_time"] / schedules[label]["step_time"]
 
 
 def format_table(result: dict[str, Any]) -> str:
     schedules = result["schedules"]
     base = schedules.get("1F1B")
-    lines = [f"{'schedule':<22}{'s/step':>9}{'tokens/s':>10}{'vs 1F1B':>9}{'peak MiB':>10}{'exposed a2a s':>15}"]
+    width = max(22, *(len(label) + 2 for label in schedules))
+    lines = [f"{'schedule':<{width}}{'s/step':>9}{'tokens/s':>10}{'vs 1F1B':>9}{'vs eager':>10}{'peak MiB':>10}"
+             f"{'exposed a2a s':>15}"]
     for label, s in schedules.items():
         ratio = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        lines.append(f"{label:<22}{s['step_time']:>9.3f}{s['tokens_per_s']:>10.0f}{ratio:>9}"
+        speed_up = vs_eager(schedules, label)
+        eager = f"{speed_up:.2f}x" if speed_up is not None else "-"
+        lines.append(f"{label:<{width}}{s['step_time']:>9.3f}{s['tokens_per_s']:>10.0f}{ratio:>9}{eager:>10}"
                      f"{s['peak_memory_bytes'] / 2**20:>10.0f}{s['exposed_comm']:>15.3f}")
     if result["block_compute_s"] is not None:
         lines.append(f"emulated all-to-all: {result['exchange_s'] * 1e3:.2f} ms per exchange = {result['comm_ratio']} x "
@@ -260,9 +297,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"{result['rounds']} rotated rounds x {result['steps'] - result['warmup']} measured steps "
                  f"(after {result['warmup']}), {result['nproc']} processes")
     lines += ["", "ms per step, mean over ranks (schedule = the pipeline step: compute, p2p, FSDP and twin sum "
-              "are inside it; - : torch's executor, not split)", f"{'schedule':<22}" + "".join(f"{p:>12}" for p in PHASES)]
+              "are inside it; - : torch's executor, not split)", f"{'schedule':<{width}}" + "".join(f"{p:>12}" for p in PHASES)]
     for label, phases in result.get("phases", {}).items():
-        lines.append(f"{label:<22}" + "".join(f"{phases[p] * 1e3:>12.0f}" if p in phases else f"{'-':>12}"
+        lines.append(f"{label:<{width}}" + "".join(f"{phases[p] * 1e3:>12.0f}" if p in phases else f"{'-':>12}"
                                               for p in PHASES))
     return "\n".join(lines)
 

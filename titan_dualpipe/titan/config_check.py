@@ -70,32 +70,55 @@ def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | Non
     _check_validation_batch(plan, job_config)
     _check_split(plan, par, n_layers)
     _check_activation_checkpoint(plan, job_config)
-    _check_compile(plan, job_config)
     if par.pipeline_parallel_schedule_csv:
         _check_csv(plan, par.pipeline_parallel_schedule_csv)
     return plan
 
 
-def _check_compile(plan: Plan, job_config: Any) -> None:
-    """Our schedules run compiled blocks (their backward whole at I, ``runtime/split_backward.py``),
-    but torchtitan's compiled model under them has not been trained and checked yet: refused."""
+def model_compiled(job_config: Any) -> bool:
+    """torchtitan compiles the model (each transformer block, ``apply_compile``) when compile is
+    on with ``"model"`` among its components; the loss alone is compiled outside the stages."""
     compile_cfg = getattr(job_config, "compile", None)
-    if compile_cfg is None or not compile_cfg.enable:
+    return bool(compile_cfg is not None and compile_cfg.enable and "model" in compile_cfg.components)
+
+
+def check_cpu_attention(plan: Plan, job_config: Any) -> None:
+    """For CPU mode (no accelerator): torch's flex attention has no backward on CPU
+    ("FlexAttention does not support backward on CPU"; seen on torch 2.13 and 2.14), compiled or not, so a
+    0.2.2 model flavour that attends with it would stop in its first backward, after the
+    pipeline's first exchanges; refused before them. CPU mode computes 0.3.0's flex attention
+    with plain tensor ops instead (``cpu_attention``)."""
+    if GEN.registry:
         return
-    if "model" in compile_cfg.components:
-        raise ValueError(
-            f"{plan.schedule}: {COMPILE_KEY} = true compiles the model's blocks; DualPipe and DualPipeV run "
-            "compiled blocks (each compiled backward whole, pytorch#161904), but not yet under torchtitan, where "
-            f'that is untested: set {COMPILE_KEY} = false, or {COMPONENTS_KEY} = ["loss"].'
-        )
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    model = job_config.model
+    args = get_train_spec(model.name).model_args.get(model.flavor)
+    if getattr(args, "attn_type", None) != "flex" and not getattr(args, "use_flex_attn", False):
+        return
+    raise ValueError(
+        f"{plan.schedule}: [model] flavor = {model.flavor!r} of {model.name!r} attends with torch's flex attention, "
+        f"which has no backward on CPU (torch {_torch_version()}, torchtitan {GEN.release}; compiled or not): "
+        "on a machine without an accelerator pick a flavour with sdpa attention (such as \"debugmodel\"), "
+        "or train on GPUs."
+    )
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
 
 
 def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
-    """Every AC mode but memory-budget runs (checkpointed microbatches run their backward whole
-    at I, see ``runtime/split_backward.py``); memory-budget AC is torch.compile's partitioner, so
-    it needs a compiled model, which our schedules do not take under torchtitan yet (untested)."""
+    """Every AC mode runs (checkpointed microbatches and compiled stages run their backward whole
+    at I, see ``runtime/split_backward.py``). Memory-budget AC is torch.compile's partitioner
+    choosing what to recompute inside the compiled blocks, so it needs the model compiled: 0.3.0's
+    config refuses it otherwise, 0.2.2 asserts while building the model; here it stops first, naming the fix."""
     ac = getattr(job_config, "activation_checkpoint", None)
     if getattr(ac, "mode", None) != "memory_budget" and type(ac).__qualname__ != "MemoryBudgetAC.Config":
+        return
+    if model_compiled(job_config):
         return
     if GEN.registry:  # 0.3.0: a config class, picked on the command line by a subcommand
         chosen, fix = ("activation_checkpoint = MemoryBudgetAC.Config() (activation-checkpoint:memory-budget)",
@@ -106,9 +129,8 @@ def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
                        f'set {AC_MODE_KEY} = "selective" (selective_ac_option = "op", or a layer frequency such '
                        'as "2") or "full"')
     raise ValueError(
-        f"{plan.schedule}: {chosen} lets torch.compile choose what to recompute, so it needs the model compiled, "
-        "which DualPipe and DualPipeV do not take under torchtitan yet (untested). "
-        f"{fix[0].upper() + fix[1:]}, which run under DualPipe and DualPipeV."
+        f"{plan.schedule}: {chosen} lets torch.compile choose what to recompute inside the compiled blocks, so it "
+        f'needs the model compiled: set {COMPILE_KEY} = true with "model" in {COMPONENTS_KEY}, or {fix}.'
     )
 
 

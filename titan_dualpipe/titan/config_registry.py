@@ -32,8 +32,6 @@ def _pipeline(config: DualPipeTrainer.Config, schedule: str, pp: int, batch: int
     config.training.steps = steps
     config.training.max_norm = 1.0
     config.training.disable_cuda_graphs = True  # torchtitan: CUDA graphs do not support PP
-    # compiled blocks cannot run the split backward (pytorch#161904); a compiled loss can
-    config.compile.components = [c for c in config.compile.components if c != "model"]
     config.checkpoint.last_save_model_only = False  # the last checkpoint can be resumed from
     return config
 

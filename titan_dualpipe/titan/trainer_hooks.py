@@ -30,7 +30,7 @@ import sys
 from typing import Any, Callable
 
 from . import cpu, data, expert_overlap
-from .config_check import check_job_config, our_schedule
+from .config_check import check_cpu_attention, check_job_config, our_schedule
 from .generation import GEN
 from .moe_twins import with_twin_expert_counts, with_twin_expert_counts_030
 from .pipeline import ACTIVE, patch_dual_pipe_v_flag
@@ -49,6 +49,8 @@ def prepare(job_config: Any) -> None:
     ACTIVE.overlap = GEN.overlap(job_config)
     if ACTIVE.plan is None:
         return
+    if not cpu.accelerator_present():
+        check_cpu_attention(ACTIVE.plan, job_config)
     expert_overlap.install()
     if GEN.registry and ACTIVE.plan.schedule == "DualPipe":
         _adapt_dualpipe_030(job_config)
