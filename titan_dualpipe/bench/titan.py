@@ -266,7 +266,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps, "warmup": args.warmup,
         "block_compute_s": block_s, "exchange_s": exchange_s,
         "schedules": schedules,
-        "vs_eager": {label: vs_eager(schedules, label) for label in schedules if vs_eager(schedules, label) is not None},
+        "vs_eager": {label: ratio for label in schedules if (ratio := vs_eager(schedules, label)) is not None},
         "phases": {label: phase_breakdown(r, args.warmup) for label, r in runs.items()},
     }
 
