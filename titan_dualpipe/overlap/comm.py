@@ -372,9 +372,9 @@ _told_traced = False
 
 def _traced_exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
                      tag: str) -> torch.Tensor:
-    """The exchange inside a graph torch.compile is tracing (a block compiled with
-    ``fullgraph=True`` around it): torch's traceable exchange, the same result, without a
-    hand-over (a compiled graph runs to its end)."""
+    """The exchange inside a graph torch.compile is tracing (a compiled module that calls it,
+    such as torchtitan 0.3.0's MoE blocks): torch's traceable exchange, the same result, without
+    a hand-over (a compiled graph runs to its end)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     global _exchange_traced
@@ -391,6 +391,6 @@ def warn_once_if_exchange_traced() -> bool:
     _told_traced = True
     logger.warning("an expert-parallel all-to-all runs inside a torch.compile'd graph: a relayed pair cannot "
                    "switch halves inside a graph, so pairs holding it run their halves one after the other; "
-                   "compile the block without fullgraph (the exchange then breaks the graph) or compile the "
-                   "parts around the exchange to overlap it")
+                   "to overlap it, compile the parts around the exchange and not the module that calls it (as "
+                   "torchtitan 0.2.2 leaves an MoE block's experts uncompiled)")
     return True
