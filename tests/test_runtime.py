@@ -344,13 +344,14 @@ def test_compiled_blocks_with_fsdp2(pool, schedule):
     assert len(ran) == WORLD and max(r["grad_err"] for r in ran) <= cases.ATOL
 
 
-@pytest.mark.parametrize("schedule,fsdp", [("DualPipeV", False), ("DualPipe", True)])
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
 @pytest.mark.parametrize("compile_reference", [True, False], ids=["compiled-reference", "eager-reference"])
-def test_inductor_compiled_blocks_match_both_references(pool, schedule, fsdp, compile_reference):
+def test_inductor_compiled_blocks_match_both_references(pool, schedule, compile_reference):
     """Inductor-compiled blocks against the reference compiled the same way and against the eager
     reference, both at the suite's tolerance (rtol 1e-5, atol 4e-5). Inductor fuses and reorders
     fp32 reductions: each reordered sum of K terms moves by at most about K ulp (K <= 64 here,
-    so under 1e-5 relative); measured: largest gradient difference about 1e-8."""
+    so under 1e-5 relative); measured: largest gradient difference about 1e-8. Two ranks (FSDP2
+    with compiled blocks runs above with aot_eager): inductor's first C++ build is the cost here."""
     ran = _ran(pool.run(cases.compiled_stages_numerics, schedule=schedule, pp=2, n=4, backend="inductor",
-                        fsdp=fsdp, compile_reference=compile_reference))
-    assert len(ran) == (WORLD if fsdp else 2) and max(r["grad_err"] for r in ran) <= cases.ATOL
+                        compile_reference=compile_reference))
+    assert len(ran) == 2 and max(r["grad_err"] for r in ran) <= cases.ATOL
