@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe._compat import runnable_on_gloo
-from titan_dualpipe.check.numerics import compile_blocks
+from titan_dualpipe.bench.model import compile_blocks
 from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
@@ -64,12 +64,6 @@ def _is_expert(name: str) -> bool:
     return ".moe.experts." in name
 
 
-def _compile_blocks(modules, backend: str | None) -> None:
-    """Each block torch.compile'd in place, as torchtitan compiles them (before FSDP)."""
-    for module in modules if backend else ():
-        compile_blocks(module, backend)
-
-
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
@@ -85,7 +79,8 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     modules = {s: parts[place.model_part(s)] for s in place.stages_of(topo.pp_rank)}
     for module in modules.values():
         expert_parallel(module, comm)
-    _compile_blocks([*modules.values(), reference], compile_backend)
+    for module in [*modules.values(), reference] if compile_backend else ():
+        compile_blocks(module.layers.values(), compile_backend)  # before FSDP, as torchtitan
     if fsdp:
         _shard_all_but_experts(modules.values(), topo.ep_mesh)
     stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=topo.pp_group)

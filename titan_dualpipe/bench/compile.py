@@ -36,7 +36,7 @@ from torch.profiler import record_function
 
 from .._compat import donated_buffers_off
 from ..cli import HelpFormatter
-from .model import Block
+from .model import Block, compile_blocks
 
 MODELS = ("mlp", "tinylm")
 BACKENDS = ("inductor", "aot_eager")
@@ -99,11 +99,6 @@ def _blocks(cfg: dict) -> nn.Sequential:
     return nn.Sequential(*[make() for _ in range(cfg["blocks"])])
 
 
-def _compile_in_place(module: nn.Sequential, backend: str) -> nn.Sequential:
-    for block in module:
-        block.compile(backend=backend)  # in place, as torchtitan compiles each block
-    return module
-
 
 @contextlib.contextmanager
 def one_rank_group() -> Iterator[None]:
@@ -159,9 +154,9 @@ class _Kind:
         self.split_copy = copy.deepcopy(self.stage)
         self.split_scope = donated_buffers_off if compiled else contextlib.nullcontext
         if compiled:
-            _compile_in_place(self.stage, cfg["backend"])
+            compile_blocks(self.stage, cfg["backend"])
             with self.split_scope():
-                _compile_in_place(self.split_copy, cfg["backend"])
+                compile_blocks(self.split_copy, cfg["backend"])
         torch.manual_seed(1)
         self.head = nn.Linear(cfg["dim"], cfg["dim"])  # stage 0: eager, so stage 1's input needs a gradient
         self.pipeline = _io_pipeline(self.head, self.stage, self.n)

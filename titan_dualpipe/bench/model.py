@@ -7,6 +7,8 @@ with a non-pipelined reference.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,3 +64,9 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def split_model(model: TinyLM, n_parts: int) -> list[TinyLM]:
     """``n_parts`` pipeline parts of ``model`` (see :func:`titan_dualpipe.split.split_layers`)."""
     return split_layers(model, n_parts)
+
+
+def compile_blocks(blocks: Iterable[nn.Module], backend: str) -> None:
+    """torch.compile each block in place (``block.compile``), as torchtitan compiles a model's blocks."""
+    for block in blocks:
+        block.compile(backend=backend)

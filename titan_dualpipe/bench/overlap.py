@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..cli import HelpFormatter
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
 from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
-from .model import lm_loss
+from .model import compile_blocks, lm_loss
 from .spawn import run_on_processes
 
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
@@ -224,8 +224,8 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
                 m.__class__ = RelayedMoETransformer
             expert_parallel(m, comm)
             m.to(device)
-            for block in m.layers.values() if compile_backend else ():
-                block.compile(backend=compile_backend)  # in place, as torchtitan compiles blocks
+            if compile_backend:
+                compile_blocks(m.layers.values(), compile_backend)
         return [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(copies, v_ids, strict=True)]
 
     if cfg["relay"]:

@@ -119,8 +119,9 @@ class Runner:
     def train(self, model: str, label: str, nproc: int, *overrides: str, env: dict[str, str] | None = None
               ) -> tuple[dict[int, dict[int, tuple[float, float]]], str]:
         out = self.work / label
-        cmd = [sys.executable, "-m", "titan_dualpipe", "train", shipped_config(model, self.registry), "--nproc",
-               str(nproc), "--log-ranks", "all", dump_folder_flag(self.registry), str(out), "--training.steps", str(self.steps), *overrides]
+        cmd = [sys.executable, "-m", "titan_dualpipe", "train", shipped_config(model, self.registry),
+               "--nproc", str(nproc), "--log-ranks", "all", dump_folder_flag(self.registry), str(out),
+               "--training.steps", str(self.steps), *overrides]
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
                               timeout=1200)
         output = proc.stdout + proc.stderr

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
 from .._compat import _format_pipeline_order
-from ..bench.model import TinyLM, lm_loss, split_model
+from ..bench.model import TinyLM, compile_blocks, lm_loss, split_model
 from ..orders import Placement
 
 SCHEDULES: dict[str, type] = {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}
@@ -69,12 +69,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
 ScheduleFactory = Callable[..., Any]
 
 
-def compile_blocks(model: torch.nn.Module, backend: str) -> None:
-    """torch.compile each block of ``model`` in place, as torchtitan compiles a model's blocks."""
-    for block in model.layers.values():
-        block.compile(backend=backend)
-
-
 def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                    device: torch.device | str = "cpu", perturb_twins: bool = True, fsdp_mesh: Any = None,
                    parallelize: Callable[[torch.nn.Module], None] | None = None,
@@ -103,9 +97,9 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
                 p.add_(0.5)
     for module in modules.values() if parallelize is not None else ():
         parallelize(module)
-    for model in [*modules.values(), full_model] if compile_backend else ():
-        if model is not full_model or compile_reference:
-            compile_blocks(model, compile_backend)
+    compiled = [*modules.values(), *([full_model] if compile_reference else [])] if compile_backend else []
+    for model in compiled:
+        compile_blocks(model.layers.values(), compile_backend)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 

@@ -97,7 +97,7 @@ def _measure(cfg: dict) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV
-    from ..bench.model import TinyLM, lm_loss, split_model
+    from ..bench.model import TinyLM, compile_blocks, lm_loss, split_model
 
     rank = dist.get_rank()
     place = placement(cfg["schedule"], cfg["pp"], cfg["microbatches"])
@@ -106,7 +106,8 @@ def _measure(cfg: dict) -> dict:
     parts = split_model(model, place.num_stages if not place.bidirectional else place.pp_size)
     eager_parts = copy.deepcopy(parts) if cfg["compile"] else parts
     if cfg["compile"]:
-        _compile_blocks(parts, cfg["compile"])
+        for part in parts:
+            compile_blocks(part.layers.values(), cfg["compile"])
     stages = [PipelineStage(parts[place.model_part(s)], s, place.num_stages, torch.device("cpu"))
               for s in place.stages_of(rank)]
     cls = ScheduleDualPipe if place.bidirectional else ScheduleDualPipeV
@@ -136,13 +137,6 @@ def _measure(cfg: dict) -> dict:
         dist.all_gather_object(calls, compiled_backward_calls_per_kind(schedule, place, rank, step))
     return {"timeline": timeline, "step_time": max(times), "split_backward": split, "memory": memory,
             "order": schedule.pipeline_order, "compiled_backward_calls": calls}
-
-
-def _compile_blocks(parts: list, backend: str) -> None:
-    """torch.compile every block of every part in place, as torchtitan compiles a model's blocks."""
-    for part in parts:
-        for block in part.layers.values():
-            block.compile(backend=backend)
 
 
 def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step) -> dict[str, int]:
