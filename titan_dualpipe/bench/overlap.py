@@ -232,7 +232,9 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
         out["overlap_relay"] = (ScheduleDualPipeV(v_copies(relay=True), n, loss_fn=lm_loss, overlap=True), feeds_v)
     backend = cfg["compile"]
     if backend:  # each run its own compiled copies (graphs guard on their module)
-        for name, relay, overlap in COMPILED_CONFIGS if cfg["relay"] else COMPILED_CONFIGS[::2]:
+        for name, relay, overlap in COMPILED_CONFIGS:
+            if relay and not cfg["relay"]:
+                continue
             stages = v_copies(relay=relay, compile_backend=backend)
             out[name] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap), feeds_v)
     if cfg["dualpipe"]:
