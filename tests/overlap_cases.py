@@ -65,7 +65,7 @@ def _is_expert(name: str) -> bool:
 
 
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
-          schedule_cls: Any = None, compile_backend: str | None = None,
+          schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool | None = False,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
@@ -88,7 +88,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     if schedule_cls is not None:
         sched = runnable_on_gloo(schedule_cls(stages, n, loss_fn=lm_loss))
     else:
-        sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap)
+        sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch)
     return reference, modules, sched, comm
 
 
@@ -187,6 +187,71 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             opt.zero_grad()
     if compile_backend:
         result["compiled_frames"] = counters["frames"]["ok"]
+    return result
+
+
+def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, relay: bool = False,
+                       steps: int = 2) -> dict:
+    """Two-batch overlap on (the default for this MoE) against the reference and against the
+    same pipeline with it off: losses and every gradient, two steps with Adam between; counts
+    the microbatches split, the halves the module interleaved itself and the relays' hand-overs."""
+    from titan_dualpipe.overlap import halves as halves_module
+
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    module_cls = RelayedMoETransformer if relay else MoETransformer
+    runs = {split: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
+                         two_batch=None if split else False) for split in (True, False)}
+    reference = runs[True][0]
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
+            for k, r in runs.items()}
+    result = {"grad_err": 0.0, "split_vs_whole": 0.0, "losses_checked": 0, "split": 0, "fused_halves": 0,
+              "halves_hand_overs": 0, "two_batch_stages": sorted(runs[True][2].two_batch_stages)}
+    joins, relays, fused = [], [], []
+    real_join, real_relay = halves_module.join_halves, halves_module.run_relayed
+    real_fused = MoETransformer.overlapped_halves_forward.__func__, MoETransformer.overlapped_halves_backward.__func__
+
+    def counted_join(outputs, sizes):
+        joins.append(sizes)
+        return real_join(outputs, sizes)
+
+    def counted_relay(first, second):
+        relays.append(real_relay(first, second))
+        return relays[-1]
+
+    halves_module.join_halves, halves_module.run_relayed = counted_join, counted_relay
+    MoETransformer.overlapped_halves_forward = classmethod(lambda c, m, h: fused.append(1) or real_fused[0](c, m, h))
+    MoETransformer.overlapped_halves_backward = classmethod(lambda c, m, h: fused.append(1) or real_fused[1](c, m, h))
+    try:
+        for step in range(steps):
+            want = []
+            for d in range(EP):
+                losses_d = reference_step(reference, *batch(step, n, d), n, scale_grads=True)
+                want = losses_d if d == ep_index else want
+            for p in reference.parameters():
+                p.grad /= EP
+            x, y = batch(step, n, ep_index)
+            grads = {}
+            for split, (_, modules, sched, _) in runs.items():
+                losses = _step(sched, modules, place, x, y)
+                _average_over_data_shards(modules, fsdp)
+                result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, split, step))
+                if losses:
+                    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+                    result["losses_checked"] += len(losses)
+                grads[split] = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+            for a, b in zip(grads[True], grads[False], strict=True):
+                result["split_vs_whole"] = max(result["split_vs_whole"], (a - b).abs().max().item())
+            for opt in (*opts.values(), ref_opt):
+                opt.step()
+                opt.zero_grad()
+    finally:
+        halves_module.join_halves, halves_module.run_relayed = real_join, real_relay
+        MoETransformer.overlapped_halves_forward = classmethod(real_fused[0])
+        MoETransformer.overlapped_halves_backward = classmethod(real_fused[1])
+    result.update(split=len(joins), fused_halves=len(fused), halves_hand_overs=sum(r.hand_overs for r in relays),
+                  relayed_halves=len(relays))
     return result
 
 

@@ -20,6 +20,8 @@ import torch
 import overlap_cases as cases
 from dist_pool import WorkerPool
 from titan_dualpipe.bench.model import lm_loss
+from titan_dualpipe.orders import compute_order
+from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.comm import CommStats, EmulatedNetwork, PendingAllToAll
 from titan_dualpipe.overlap.moe import _RECORD_KEY, MoEArgs, MoETransformer, split_parts
 from titan_dualpipe.overlap.segments import SegmentLeaves, interleave, run_to_completion
@@ -334,3 +336,28 @@ def test_failure_in_a_pair_surfaces_on_every_rank():
     assert results[0]["chain"][0] == "InjectedFailure: injected failure in the forward half of a pair on rank 0"
     _others_stop_and_rank_2_names_rank_0(results)
 
+
+
+@pytest.mark.parametrize("schedule,n,relay,checkpoint,fsdp", [
+    ("DualPipeV", 4, False, False, False), ("DualPipe", 4, False, True, False),
+    ("DualPipeV", 4, True, False, False), ("DualPipe", 6, True, True, False),
+    ("DualPipeV", 5, False, False, True), ("DualPipeV", 4, True, False, True),
+])
+def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoint, fsdp):
+    """Lone forwards run their microbatch (2 rows) as two relayed halves by default for this MoE
+    (expert-parallel exchanges): losses and gradients match the reference and the unsplit run
+    at RTOL/ATOL (a weight gradient sums two half-batch gradients: a reordered sum)."""
+    results = pool.run(cases.two_batch_numerics, schedule=schedule, n=n, relay=relay, checkpoint=checkpoint,
+                       fsdp=fsdp)
+    assert all(r["grad_err"] <= cases.ATOL and r["split_vs_whole"] <= cases.ATOL for r in results), results
+    twin_factor = 2 if schedule == "DualPipe" else 1
+    assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
+    order = compute_order(schedule, cases.PP, n)
+    for rank, r in enumerate(results):  # 2 steps; FSDP2 stages run a split microbatch's backward whole
+        split = lone_forwards(order[rank // cases.EP])
+        halved = 2 * (len(split) + (0 if fsdp else len(split - paired_backwards(order[rank // cases.EP]))))
+        assert r["split"] == 2 * len(split), results
+        if relay:  # the halves switch at the MoE exchanges
+            assert r["fused_halves"] == 0 and r["relayed_halves"] == halved and r["halves_hand_overs"] > 0, results
+        else:  # the module interleaves them itself
+            assert r["relayed_halves"] == 0 and r["fused_halves"] == halved, results

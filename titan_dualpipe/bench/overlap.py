@@ -181,10 +181,13 @@ def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict
 
 
 class RelayedMoETransformer(MoETransformer):
-    """The same module without its overlap protocol: the runtime overlaps its pairs as a
-    relay switching halves at the exchanges, as it does for torchtitan's MoE blocks."""
+    """The same module without its overlap protocols: the runtime overlaps its pairs (and
+    two-batch halves) as a relay switching halves at the exchanges, as it does for
+    torchtitan's MoE blocks."""
 
     overlapped_forward_backward = None
+    overlapped_halves_forward = None
+    overlapped_halves_backward = None
 
 
 def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> dict[str, tuple[Any, bool]]:

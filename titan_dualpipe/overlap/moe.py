@@ -8,9 +8,9 @@ torchtitan's names: ``tok_embeddings`` (first part), ``layers.<i>``, ``norm`` an
     local experts -> combine all-to-all -> gate-weighted sum + residual
 
 Experts are split over an expert-parallel group (:func:`expert_parallel`): each rank
-keeps ``num_experts / ep`` of them. Routing uses a fixed capacity per (source rank,
-expert), so every all-to-all has a static size; tokens over capacity are dropped
-(they keep their residual). A plain ``module(x)`` + ``loss.backward()`` works and is the
+keeps ``num_experts / ep`` of them. Routing uses a fixed capacity per (sequence, expert)
+(GShard's routing groups), so every all-to-all has a static size and a sequence routes the
+same in any batch; tokens over capacity are dropped (they keep their residual). A plain ``module(x)`` + ``loss.backward()`` works and is the
 reference; the exchanges are autograd functions there.
 
 Overlap. A block's forward is cut into three segments at its two exchanges
@@ -49,6 +49,7 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.checkpoint import checkpoint
 
+from ..runtime.halves import register_exchange_rule
 from .comm import ExpertParallelComm, all_to_all
 from ..split import split_layers
 from .segments import Root, SegmentLeaves, Step, boundary, interleave, root_of, run_to_completion, segment_backward
@@ -167,16 +168,22 @@ class MoE(nn.Module):
                 setattr(self.experts, name, nn.Parameter(getattr(self.experts, name)[local].clone()))
         self.comm = comm
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Routing]:
-        """Tokens ``[T, dim]`` -> dispatch buffer ``[ep, local experts, capacity, dim]``,
-        gate weights ``[T, top_k]``, routing."""
+    def route(self, x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+        """Tokens ``[T, dim]`` (routing groups of ``group_size`` consecutive tokens: one sequence
+        each) -> dispatch buffer ``[ep, local experts, capacity, dim]``, gate weights
+        ``[T, top_k]``, routing. Each group has ``args.capacity(group_size)`` slots per expert,
+        earlier tokens of a group winning them, so a token's slot depends on its own sequence
+        only: a microbatch split along the batch routes as it does whole."""
         weights, experts = self.router(x)
         tokens, k, e = x.shape[0], self.args.top_k, self.args.num_experts
-        capacity = self.args.capacity(tokens)
+        groups, per_group = tokens // group_size, self.args.capacity(group_size)
+        capacity = groups * per_group
         with torch.no_grad():
-            flat = experts.reshape(-1)  # token-major: earlier tokens win the slots
-            position = (F.one_hot(flat, e).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
-            slot = torch.where(position < capacity, flat * capacity + position, e * capacity)
+            flat = experts.reshape(groups, group_size * k)  # token-major within each group
+            position = (F.one_hot(flat, e).cumsum(1) - 1).gather(2, flat[..., None]).squeeze(2)
+            group = torch.arange(groups, device=x.device)[:, None]
+            slot = torch.where(position < per_group, flat * capacity + group * per_group + position, e * capacity)
+            slot = slot.reshape(-1)
             token_of_slot = torch.full((e * capacity + 1,), tokens, dtype=torch.long, device=x.device)
             token_of_slot[slot] = torch.arange(tokens * k, device=x.device) // k
         padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row `tokens`: empty slot
@@ -246,7 +253,7 @@ class TransformerBlock(nn.Module):
 
     def _attention_segment(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routing]:
         h_attn = h + self._maybe_checkpoint(self._attend, h)
-        send, weights, routing = self.moe.route(self.ffn_norm(h_attn).flatten(0, 1))
+        send, weights, routing = self.moe.route(self.ffn_norm(h_attn).flatten(0, 1), group_size=h.shape[1])
         return h_attn, send, weights, routing
 
     def _experts_segment(self, received: torch.Tensor) -> torch.Tensor:
@@ -386,6 +393,21 @@ class MoETransformer(nn.Module):
         _, output = interleave(backward, forward)
         return output
 
+    @classmethod
+    def overlapped_halves_forward(cls, module: nn.Module, halves: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        """Two-batch overlap (:class:`~titan_dualpipe.overlap.protocol.OverlappedHalves`): both
+        halves' forwards, interleaved at their exchanges; returns their outputs."""
+        first, second = (module.forward_steps(*args, **kwargs) for args, kwargs in halves)
+        return list(interleave(first, second))
+
+    @classmethod
+    def overlapped_halves_backward(
+        cls, module: nn.Module, halves: Sequence[tuple[list[torch.Tensor], list[torch.Tensor | None] | None]]
+    ) -> None:
+        """Both halves' backwards, interleaved at their reverse exchanges."""
+        first, second = (module.backward_steps(outputs, grads) for outputs, grads in halves)
+        interleave(first, second)
+
 
 def _attach(output: torch.Tensor, record: StageRecord) -> None:
     """Keep ``record`` with the output's autograd node; drop it once a backward passed the entry."""
@@ -440,3 +462,10 @@ def expert_parallel(module: nn.Module, comm: ExpertParallelComm) -> None:
         raise ValueError(f"{type(module).__name__} has no MoE layers to split")
     for moe in moes:
         moe.use_expert_parallel(comm)
+
+
+def _has_expert_parallel_moe(module: nn.Module) -> bool:
+    return any(isinstance(m, MoE) and m.comm.size > 1 for m in module.modules())
+
+
+register_exchange_rule(_has_expert_parallel_moe)

@@ -29,6 +29,10 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
     fwd_module = executor.stages[forward.stage_index].submod
     bwd_module = executor.stages[backward.stage_index].submod
     fused = overlap_implementation(fwd_module, bwd_module)
+    # A backward microbatch that ran its forward in halves backpropagates through both halves at
+    # once, from the joined output: the relay runs that as it is, the protocol's backward does not.
+    if executor.halves.pop((backward.stage_index, backward.microbatch_index), None) is not None:
+        fused = None
     if fused is None:
         def forward_half() -> None:
             executor.run_forward(forward)

@@ -57,3 +57,29 @@ def overlap_implementation(forward_module: nn.Module, backward_module: nn.Module
     if cls is not type(backward_module):
         return None
     return getattr(cls, "overlapped_forward_backward", None)
+
+
+@runtime_checkable
+class OverlappedHalves(Protocol):
+    """Two-batch overlap provided by the stage module (:mod:`~titan_dualpipe.overlap.halves`):
+    one lone microbatch's two halves, interleaved at the module's exchanges. Modules without it
+    run the halves as a relay."""
+
+    @classmethod
+    def overlapped_halves_forward(cls, module: nn.Module, halves: Any) -> list[Any]:
+        """Exactly ``[module.forward(*args, **kwargs) for args, kwargs in halves]``."""
+        ...
+
+    @classmethod
+    def overlapped_halves_backward(cls, module: nn.Module, halves: Any) -> None:
+        """Exactly ``torch.autograd.backward(outputs, grads)`` for each ``(outputs, grads)`` of
+        ``halves`` (the halves' outputs of one forward of ``module``, or losses computed from them)."""
+        ...
+
+
+def halves_implementation(module: nn.Module) -> type | None:
+    """The class providing :class:`OverlappedHalves` for ``module``, or None."""
+    cls = type(module)
+    provided = all(callable(getattr(cls, name, None))
+                   for name in ("overlapped_halves_forward", "overlapped_halves_backward"))
+    return cls if provided else None

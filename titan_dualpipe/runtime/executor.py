@@ -60,6 +60,8 @@ from .failures import PeerFailed, peer_failed, record
 from .fsdp import fsdp_modules, unshard_all
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
+from ..orders.two_batch import lone_forwards
+from .halves import halves_runner
 from .split_backward import SplitDecisions
 from .timeline import StepClock, TimedAction, clock_for, span_seconds
 
@@ -107,6 +109,8 @@ class StepExecutor:
         self.backward_count: Counter[int] = schedule.backward_counter
         self.backward_at_weight: set[tuple[int, int]] = set()
         self.split = SplitDecisions(schedule.whole_backward_stages)
+        self.two_batch: set[tuple[int, int]] = set()  # (stage, mb) whose forward runs in halves if it can
+        self.halves: dict[tuple[int, int], Any] = {}  # microbatches that ran in halves, until their backward
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
         # Timed on the stages' device (CUDA events on a GPU, where the host clock would time
         # launches); the marks become seconds once the step is over (_resolve_timeline).
@@ -121,6 +125,7 @@ class StepExecutor:
         exception: record it for the other ranks (:mod:`.failures`), log the order with the
         failing action's row marked, re-raise."""
         self.upcoming = list(reversed(actions))  # popped from the end
+        self.two_batch = {key for key in lone_forwards(actions) if key[0] in self.schedule.two_batch_stages}
         action: _Action | None = None
         try:
             while self.upcoming:
@@ -212,13 +217,23 @@ class StepExecutor:
 
     # -- compute ----------------------------------------------------------------------------
     def forward(self, action: _Action) -> None:
-        self.timed(action, lambda: self.run_forward(action))
+        """A lone forward: on two halves of its microbatch where two-batch overlap is on."""
+        if (action.stage_index, action.microbatch_index) in self.two_batch:
+            self.timed(action, lambda: halves_runner().forward(self, action))
+        else:
+            self.timed(action, lambda: self.run_forward(action))
 
     def backward(self, action: _Action) -> None:
-        self.timed(action, lambda: self.run_backward(action))
+        self.timed(action, self._on_halves(action, lambda: self.run_backward(action)))
 
     def weight(self, action: _Action) -> None:
-        self.timed(action, lambda: self.run_weight(action))
+        self.timed(action, self._on_halves(action, lambda: self.run_weight(action)))
+
+    def _on_halves(self, action: _Action, run: Callable[[], None]) -> Callable[[], None]:
+        """``run``, with its backward on the two halves when the microbatch's forward ran in halves."""
+        if (action.stage_index, action.microbatch_index) not in self.halves:
+            return run
+        return lambda: halves_runner().backward(self, action, run)
 
     def pair(self, action: _Action) -> None:
         """An overlapped pair: forward ``sub_actions[0]``, full backward ``sub_actions[1]``."""

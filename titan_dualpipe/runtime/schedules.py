@@ -43,6 +43,7 @@ from .executor import StepExecutor
 from .failures import record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
+from .halves import two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
@@ -69,6 +70,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
 
     - ``overlap`` (default True): run overlapped pairs with overlap (see
       :mod:`titan_dualpipe.overlap`); False runs each pair's halves one after the other.
+    - ``two_batch_overlap`` (default None: on for stages with expert-parallel exchanges when
+      ``overlap`` is on): run each forward that has no pair partner on two halves of its
+      microbatch, relayed like a pair, so each half's exchanges hide behind the other half's
+      compute (:mod:`titan_dualpipe.overlap.halves`); True for every stage, False off.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -91,8 +96,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         defer_pp_recv: bool = False,
         *,
         overlap: bool = True,
+        two_batch_overlap: bool | None = None,
         record_timeline: bool = False,
     ) -> None:
+        modules = {s.stage_index: s.submod for s in stages} if isinstance(stages, (list, tuple)) else {}
+        split_stages = two_batch_stages(two_batch_overlap, overlap, modules)  # checked before any collective
         _agree_on_construction(self.schedule_name, stages, n_microbatches)
         self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
         stages = sorted(stages, key=lambda s: s.stage_index)
@@ -123,6 +131,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
         self.pair_runner: PairRunner = pair_runner(overlap)
+        self.two_batch_stages = split_stages
         self.fsdp_at_step_edges = self._folds_twins()
         # stages whose backward a static rule keeps whole at I (W a no-op); forwards that run
         # activation-checkpoint regions add their microbatches step by step (runtime/split_backward.py)

@@ -94,6 +94,10 @@ class SplitDecisions:
         if stage_index in self.static_whole or kinds & WHOLE_BACKWARD_REGIONS:
             self.whole.add((stage_index, mb))
 
+    def keep_whole(self, stage_index: int, mb: int) -> None:
+        """Run ``mb``'s backward on ``stage_index`` whole at I (a microbatch that ran in halves)."""
+        self.whole.add((stage_index, mb))
+
     def whole_at_input(self, stage_index: int, mb: int) -> bool:
         return (stage_index, mb) in self.whole
 
