@@ -357,3 +357,117 @@ def test_draw_without_matplotlib_says_what_to_install(monkeypatch, tmp_path) -> 
     events = simulate(pipeline_for("1F1B", 2, 2)).timeline
     with pytest.raises(ValueError, match=r"pip install 'titan_dualpipe\[plot\]'"):
         draw_timeline(events, str(tmp_path / "x.png"))
+
+
+# ---- two-batch overlap ----------------------------------------------------------------------
+
+
+def _by_action(result) -> dict[_Action, TimedAction]:
+    return {e.action: e for e in result.timeline}
+
+
+def test_two_batch_costs_parse_scale_and_print() -> None:
+    costs = parse_costs("F=1,B=2,F2=0.8,b2=1.6")
+    assert (costs.forward_in_halves, costs.backward_in_halves) == (0.8, 1.6)
+    assert costs.as_dict() == {"F": 1, "B": 2, "W": 1, "I": 1, "FB": 3, "F2": 0.8, "B2": 1.6}
+    assert parse_costs(str(costs)).as_dict() == costs.as_dict() and str(costs).endswith("F2=0.8,B2=1.6")
+    assert costs.scaled(0.5).as_dict()["F2"] == 0.4 and costs.scaled(0.5).B2 == 0.8
+    assert (Costs().forward_in_halves, Costs().backward_in_halves) == (1, 2)  # default: no gain
+    assert "F2" not in Costs().as_dict()
+
+
+@pytest.mark.parametrize("text, named", [("F2=0", "F2=0"), ("B2=-1", "B2=-1"), ("B2=x", "'x'"), ("F3=1", "'F3=1'")])
+def test_bad_two_batch_costs_name_the_value(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        parse_costs(text)
+
+
+@pytest.mark.parametrize("name, pp, n", [("DualPipeV", 2, 4), ("DualPipeV", 4, 10), ("DualPipe", 2, 4), ("DualPipe", 4, 12)])
+def test_two_batch_marks_exactly_the_lone_forwards_and_their_lone_backwards(name: str, pp: int, n: int) -> None:
+    from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
+
+    pipe = pipeline_for(name, pp, n)
+    result = simulate(pipe, two_batch=True)
+    for rank, actions in pipe.order.items():
+        marked = {e.action for e in result.timeline if e.rank == rank and e.halves}
+        lone = lone_forwards(actions)
+        assert {(a.stage_index, a.microbatch_index) for a in marked if a.computation_type == F} == lone
+        backwards = {a for a in actions if a.computation_type in (B, I, W)
+                     and (a.stage_index, a.microbatch_index) in lone - paired_backwards(actions)}
+        assert marked - {a for a in marked if a.computation_type == F} == backwards
+        assert all(a.computation_type != OVERLAP_F_B for a in marked)  # pairs run as usual
+    assert not any(e.halves for e in simulate(pipe).timeline)
+
+
+def test_two_batch_backward_costs_b2_where_it_runs_whole() -> None:
+    """DualPipeV pp=2, n=4: 3I0 (last stage) runs the whole backward (B2), its W nothing; on the
+    chain's first stage the I is deferred to the W; a lone B costs B2; unsplit and paired run as usual."""
+    result = simulate(pipeline_for("DualPipeV", 2, 4), Costs(F=1, B=2, W=1, FB=2.5, F2=0.7, B2=1.5), two_batch=True)
+    timed = _by_action(result)
+
+    def duration(stage: int, kind, mb: int) -> float:
+        event = timed[_Action(stage, kind, mb)]
+        return event.end - event.start
+
+    assert (duration(3, I, 0), duration(3, W, 0)) == (1.5, 0.0)
+    assert (duration(0, I, 2), duration(0, W, 2)) == (0.0, 1.5)  # chain-first stage
+    assert duration(2, B, 0) == duration(1, B, 2) == 1.5 and duration(0, F, 0) == 0.7
+    assert (duration(0, I, 3), duration(0, W, 3), duration(3, B, 2)) == (1, 1, 2)  # forward paired: whole
+    assert not timed[_Action(0, I, 3)].halves and timed[_Action(0, W, 2)].halves
+
+
+def test_two_batch_makespan_drops_by_the_lone_forwards_on_the_critical_path() -> None:
+    """DualPipeV pp=2, n=4 with W=0 (a split backward costs B either way): everything after rank
+    1's first backward 2B0 waits for 3I0, which follows rank 0's four lone forwards 0F0 0F1 0F2
+    3F0; so F2 = F - d shortens the step by 4d. F2, B2 unset: no change."""
+    pipe = pipeline_for("DualPipeV", 2, 4)
+    base = simulate(pipe, Costs(F=1, B=2, W=0, FB=2.5)).makespan
+    assert simulate(pipe, Costs(F=1, B=2, W=0, FB=2.5), two_batch=True).makespan == base
+    for d in (0.1, 0.25, 0.5):
+        halves = simulate(pipe, Costs(F=1, B=2, W=0, FB=2.5, F2=1 - d), two_batch=True)
+        assert halves.makespan == pytest.approx(base - 4 * d)
+        assert [r.busy for r in halves.ranks] == pytest.approx([22.5 - 5 * d] * 2)  # 5 lone forwards per rank
+
+
+def test_two_batch_frees_a_split_microbatch_at_the_input_part_of_its_backward() -> None:
+    f0, f1, i0, w0 = _Action(1, F, 0), _Action(1, F, 1), _Action(1, I, 0), _Action(1, W, 0)
+    assert peak_activations([f0, i0, f1, w0]) == 2
+    assert peak_activations([f0, i0, f1, w0], freed_at_input={(1, 0)}) == 1
+    for name, pp, n in (("DualPipeV", 2, 4), ("DualPipeV", 4, 8), ("DualPipe", 4, 8)):
+        pipe = pipeline_for(name, pp, n)
+        plain, halves = simulate(pipe).ranks, simulate(pipe, two_batch=True).ranks
+        assert all(h.peak_activations <= p.peak_activations for h, p in zip(halves, plain)), (name, pp, n)
+
+
+def test_two_batch_is_ours_only() -> None:
+    with pytest.raises(ValueError, match="not of torch's ZBVZeroBubble"):
+        simulate(pipeline_for("ZBVZeroBubble", 2, 4), two_batch=True)
+    rows = {name: result for name, _, result in compare(2, 4, Costs(), two_batch=True)}
+    assert rows["DualPipeV two-batch"].two_batch and not rows["DualPipeV"].two_batch
+    assert "ZBVZeroBubble two-batch" not in rows and not rows["ZBVZeroBubble"].two_batch
+
+
+def test_two_batch_cli(sim_only_cli, capsys, tmp_path) -> None:
+    argv = ["--schedule", "DualPipeV", "--pp", "2", "--microbatches", "4", "--cost", "F=1,B=2,W=0,FB=2.5,F2=0.5",
+            "--two-batch"]
+    assert sim_only_cli(["simulate", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["two_batch"] and out["costs"]["F2"] == 0.5 and out["makespan"] == pytest.approx(26 - 2)
+    trace = tmp_path / "t.json"
+    assert sim_only_cli(["draw", *argv, "--trace", str(trace)]) == 0
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
+    assert names[:5] == ["F0½", "F1½", "F2½", "F0½", "I0½"] and "F3&B1" in names and "I3" in names
+    assert sim_only_cli(["simulate", "--schedule", "1F1B", "--pp", "2", "--microbatches", "2", "--two-batch"]) == 2
+    assert "two-batch overlap is a feature of our schedules" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim_only_cli(["draw", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--two-batch" in help_text and "F2 and B2" in help_text
+
+
+def test_draw_marks_halves(tmp_path, sim_only_cli) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "two_batch.png"
+    assert sim_only_cli(["draw", "--schedule", "DualPipeV", "--pp", "2", "--microbatches", "6", "--two-batch",
+                         "--cost", "F=1,B=2,W=1,FB=2.5,F2=0.8,B2=1.6", "-o", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -55,6 +55,7 @@ BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record;
 EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all
 CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold)
+TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1" / "0": two-batch overlap on / off (unset: automatic)
 COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "1": hand over between posting token counts and reading them
 
 
@@ -69,6 +70,7 @@ class Variant:
     fold_twins: bool = True
     count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
+    two_batch: bool | None = None  # None: our schedules' default (on for MoE stages under expert parallelism)
 
 
 VARIANTS = (
@@ -78,8 +80,10 @@ VARIANTS = (
     Variant("torch DualPipeV", "TorchDualPipeV", overlap=False),  # torchtitan's overlap callback is GPU-only
     Variant("DualPipeV", "DualPipeV", overlap=True),
     Variant("DualPipeV sequential", "DualPipeV", overlap=False),
+    Variant("DualPipeV no two-batch", "DualPipeV", overlap=True, two_batch=False),
     Variant("DualPipe", "DualPipe", overlap=True),
     Variant("DualPipe sequential", "DualPipe", overlap=False),
+    Variant("DualPipe no two-batch", "DualPipe", overlap=True, two_batch=False),
     Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
     Variant("DualPipeV counts handed over", "DualPipeV", overlap=True, count_hand_over=True),
     Variant("DualPipe counts handed over", "DualPipe", overlap=True, count_hand_over=True),
@@ -192,7 +196,8 @@ class Launcher:
         argv += [self._overlap_flag(variant.overlap)] if variant.overlap is not None else []
         argv += list(COMPILE_OVERRIDES) if variant.compiled else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
-               FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0"}
+               FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
+               TWO_BATCH_ENV: {None: "", True: "1", False: "0"}[variant.two_batch]}
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})

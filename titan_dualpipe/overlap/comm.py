@@ -290,9 +290,19 @@ class RelayedExchangeCost:
     compute excluded)."""
 
     seconds: float = 0.0
+    # Rows of a whole microbatch's token exchange. Set: an exchange of ``rows`` rows costs
+    # ``seconds * (1/2 + 1/2 * rows / reference_rows)`` (half latency, half bandwidth, as ``bench
+    # overlap`` calibrates), so the two halves of a two-batch split pay one more latency, not
+    # twice the bandwidth. None: every token exchange costs ``seconds``.
+    reference_rows: int | None = None
     stats: CommStats = field(default_factory=CommStats)
     count_hand_over: bool = False  # True: hand over between posting a count exchange and reading it (comparison run)
     _group_ready_at: dict = field(default_factory=dict)
+
+    def seconds_for(self, rows: int) -> float:
+        if not self.reference_rows:
+            return self.seconds
+        return self.seconds * (0.5 + 0.5 * rows / self.reference_rows)
 
     def ready_at(self, group: Any, earliest: float) -> float:
         """When an exchange posted on ``group`` now, ready at ``earliest`` on its own, is ready."""
@@ -319,7 +329,7 @@ def emulate_relayed_exchanges(seconds: float | None) -> RelayedExchangeCost | No
 def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
     cost, posted_at = _RELAYED_COST, time.perf_counter()
     pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
-    ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds)
+    ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds_for(x.shape[0]))
     hand_over()  # the partner half of a relayed pair computes while this one is in flight
     if cost is None:
         return wait_collective(pending)

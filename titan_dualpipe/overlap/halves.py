@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.nn.attention.flex_attention import BlockMask
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._compat import _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from ..runtime.executor import StepExecutor
@@ -66,19 +67,37 @@ class SplitMicrobatch:
 
 def split_batch(args: tuple, kwargs: dict) -> tuple[list[int], list[HalfInputs]] | None:
     """The two halves of a microbatch's inputs, or None when its batch (dimension 0 of its first
-    input tensor) is below 2. Tensors whose dimension 0 is not the batch go whole to both."""
-    leaves, _ = tree_flatten((args, kwargs))
+    input tensor) is below 2. Tensors and flex-attention block masks whose dimension 0 is the
+    batch are split; anything else goes whole to both halves."""
+    leaves, _ = tree_flatten((args, kwargs), is_leaf=_is_block_mask)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
         return None
     batch = tensors[0].shape[0]
     sizes = [batch - batch // 2, batch // 2]
+    rows = [slice(0, sizes[0]), slice(sizes[0], batch)]
 
-    def half(i: int) -> HalfInputs:
-        return tree_map_only(torch.Tensor, lambda t: t.split(sizes)[i] if t.dim() and t.shape[0] == batch else t,
-                             (args, kwargs))
+    def split(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value[rows[i]]
+        if _is_block_mask(value) and value.kv_num_blocks.shape[0] == batch:
+            return _half_block_mask(value, rows[i])
+        return value
 
-    return sizes, [half(0), half(1)]
+    return sizes, [tree_map(lambda v, i=i: split(v, i), (args, kwargs), is_leaf=_is_block_mask) for i in (0, 1)]
+
+
+def _is_block_mask(value: Any) -> bool:
+    return isinstance(value, BlockMask)
+
+
+def _half_block_mask(mask: BlockMask, rows: slice) -> BlockMask:
+    """``mask``'s rows of the batch, its ``mask_mod`` reading them by their place in the whole
+    batch (torch's slicing leaves a ``mask_mod`` that refuses to run)."""
+    half = mask[rows]
+    whole_mask_mod, offset = mask.mask_mod, rows.start
+    half.mask_mod = lambda b, h, q_idx, kv_idx: whole_mask_mod(b + offset, h, q_idx, kv_idx)
+    return half
 
 
 def join_halves(outputs: list[Any], sizes: list[int]) -> tuple[Any, SplitMicrobatch]:

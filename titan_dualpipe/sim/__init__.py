@@ -1,9 +1,10 @@
 """Cost-model simulator of pipeline schedules, and pictures/traces of timelines.
 
-- :mod:`.costs`: :class:`Costs` (F, B, W, FB per action) and :func:`parse_costs`.
+- :mod:`.costs`: :class:`Costs` (F, B, W, FB, F2, B2 per action) and :func:`parse_costs`.
 - :mod:`.schedules`: :class:`Pipeline` (order + stage chains) for our schedules, torch's
   built-ins (orders built without a process group) and torch-format CSV files.
 - :mod:`.engine`: :func:`simulate`, an event-driven run of every rank's order.
+- :mod:`.two_batch`: which actions two-batch overlap runs on two halves, and their costs.
 - :mod:`.timeline`: :class:`TimedAction` records, :func:`draw_timeline`, :func:`write_trace`;
   they take any timeline, simulated or measured.
 
@@ -19,8 +20,9 @@ plus "cost_scale", or {"schedule", "error"} for a schedule that cannot run these
   pp                         pipeline ranks
   microbatches               microbatches per step
   num_stages                 stages in all chains together
-  costs                      per-action costs used: F, B, W, I (= B - W), FB
+  costs                      per-action costs used: F, B, W, I (= B - W), FB; F2, B2 where given
   p2p                        latency added to each cross-rank hand-off
+  two_batch                  lone forwards and their lone backwards ran on two halves (F2, B2)
   makespan                   time from the first action start to the last action end
   busy_per_rank              sum of action times, per rank
   bubble_per_rank            makespan - busy, per rank
@@ -28,7 +30,8 @@ plus "cost_scale", or {"schedule", "error"} for a schedule that cannot run these
   bubble_ratio               all ranks' bubble / (pp * makespan)
   max_bubble                 largest per-rank bubble (the figure of DeepSeek's bubble table)
   peak_activations_per_rank  most live stage-microbatch activations at once, per rank
-                             (+1 at F; -1 at B, or at W when the backward is split into I + W)
+                             (+1 at F; -1 at B, or at W when the backward is split into I + W;
+                             at I where a split microbatch's backward runs whole there)
   peak_activations           largest of peak_activations_per_rank
   actions_per_rank           entries run per rank (an overlapped F&B pair counts once)
 """

@@ -10,7 +10,7 @@ from ..cli import HelpFormatter
 from . import JSON_KEYS_HELP
 from .costs import Costs, parse_costs
 from .engine import SimResult, simulate
-from .schedules import SCHEDULE_NAMES, Pipeline, pipeline_for, pipeline_from_csv
+from .schedules import SCHEDULE_NAMES, TORCH_SCHEDULES, Pipeline, pipeline_for, pipeline_from_csv
 from .timeline import draw_timeline, write_trace
 
 DEFAULT_COSTS = "F=1,B=2,W=1"
@@ -28,7 +28,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", default=DEFAULT_COSTS, type=_costs_argument,
                    help=f"per-action costs KEY=VALUE,... with F, B (full backward), W (weight part of B), "
                         f"I (input part of a split backward, default B - W; I=B,W=0: backwards run whole at I), "
-                        f"FB (overlapped F+B pair, default F+B) (default {DEFAULT_COSTS})")
+                        f"FB (overlapped F+B pair, default F+B), F2 and B2 (a forward and a full backward on two "
+                        f"halves of the microbatch, with --two-batch; default F and B) (default {DEFAULT_COSTS})")
+    p.add_argument("--two-batch", action="store_true",
+                   help="two-batch overlap (DualPipe, DualPipeV): lone forwards and their lone backwards run on two "
+                        "halves of the microbatch, costing F2 and B2 (see --cost); a backward run whole at I makes "
+                        "its W cost 0")
     p.add_argument("--p2p", type=float, default=0.0, help="latency added to each cross-rank hand-off (default 0)")
     p.add_argument("--csv", metavar="FILE", help="a torch-format CSV order (one row per rank) instead of --schedule")
 
@@ -55,7 +60,8 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true",
                    help="one table of every schedule (and --csv) for the same --pp, --microbatches and costs; "
                         "costs are for a stage of 1/pp of the model and halved on schedules with 2*pp stages "
-                        "in a chain, so every row does the same work")
+                        "in a chain, so every row does the same work; with --two-batch, DualPipe, DualPipeV "
+                        "(and --csv) get a second row with two-batch overlap")
     p.set_defaults(func=run_simulate)
 
 
@@ -88,7 +94,7 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     if args.compare:
         return _run_compare(args)
-    result = simulate(_pipeline(args), args.cost, args.p2p)
+    result = simulate(_pipeline(args), args.cost, args.p2p, args.two_batch)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_result(result))
     return 0
 
@@ -97,7 +103,7 @@ def format_result(result: SimResult) -> str:
     pipe = result.pipeline
     lines = [
         f"{pipe.name}: pp={pipe.pp_size}, microbatches={pipe.n_microbatches}, {pipe.num_stages} stages, "
-        f"costs {result.costs}, p2p={result.p2p:g}",
+        f"costs {result.costs}, p2p={result.p2p:g}" + (", two-batch overlap" if result.two_batch else ""),
         f"makespan {result.makespan:g}, bubble ratio {result.bubble_ratio:.1%}",
         "",
         f"{'rank':>4} {'busy':>9} {'bubble':>9} {'bubble %':>9} {'peak act':>9} {'actions':>8}",
@@ -111,9 +117,13 @@ def format_result(result: SimResult) -> str:
 # ---- compare ------------------------------------------------------------------------------
 
 
+TWO_BATCH_ROW = " two-batch"  # name suffix of a compare row with two-batch overlap
+
+
 def compare(pp: int, n_microbatches: int, costs: Costs, p2p: float = 0.0,
-            extra: Sequence[Pipeline] = ()) -> list[tuple[str, float, SimResult | str]]:
-    """Every named schedule (plus ``extra``) at the same sizes: ``(name, cost scale, result or why not)``.
+            extra: Sequence[Pipeline] = (), two_batch: bool = False) -> list[tuple[str, float, SimResult | str]]:
+    """Every named schedule (plus ``extra``) at the same sizes: ``(name, cost scale, result or why not)``;
+    with ``two_batch``, each of ours and ``extra`` once more with two-batch overlap (name + ``TWO_BATCH_ROW``).
 
     ``costs`` are for a stage holding ``1/pp`` of the model; a schedule whose chains hold
     ``2 * pp`` stages runs each action at half those costs.
@@ -124,11 +134,14 @@ def compare(pp: int, n_microbatches: int, costs: Costs, p2p: float = 0.0,
     ]
     builders += [(pipe.name, lambda pipe=pipe: pipe) for pipe in extra]
     for name, build in builders:
-        try:
-            pipe = build()
-            rows.append((name, pipe.model_share, simulate(pipe, costs.scaled(pipe.model_share), p2p)))
-        except ValueError as err:
-            rows.append((name, 1.0, str(err).splitlines()[0]))
+        split = (False, True) if two_batch and name not in TORCH_SCHEDULES else (False,)
+        for halves in split:
+            label = name + (TWO_BATCH_ROW if halves else "")
+            try:
+                pipe = build()
+                rows.append((label, pipe.model_share, simulate(pipe, costs.scaled(pipe.model_share), p2p, halves)))
+            except ValueError as err:
+                rows.append((label, 1.0, str(err).splitlines()[0]))
     return rows
 
 
@@ -139,7 +152,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         if (pipe.pp_size, pipe.n_microbatches) != (args.pp, args.microbatches):
             raise ValueError(f"{args.csv} has pp={pipe.pp_size}, microbatches={pipe.n_microbatches}; "
                              f"compare it with --pp {pipe.pp_size} --microbatches {pipe.n_microbatches}.")
-    rows = compare(args.pp, args.microbatches, args.cost, args.p2p, extra)
+    rows = compare(args.pp, args.microbatches, args.cost, args.p2p, extra, args.two_batch)
     if args.json:
         print(json.dumps(_compare_json(args, rows), indent=2))
     else:
@@ -160,7 +173,7 @@ def _compare_json(args: argparse.Namespace, rows: list[tuple[str, float, SimResu
 
 def format_compare(pp: int, n: int, costs: Costs, p2p: float,
                    rows: list[tuple[str, float, SimResult | str]]) -> str:
-    header = (f"{'schedule':<22} {'stages':>6} {'cost x':>6} {'makespan':>9} {'bubble min':>10} "
+    header = (f"{'schedule':<24} {'stages':>6} {'cost x':>6} {'makespan':>9} {'bubble min':>10} "
               f"{'bubble max':>10} {'bubble %':>8} {'peak act':>8} {'act mem':>7}")
     lines = [
         f"pp={pp}, microbatches={n}, costs {costs} per stage of 1/pp of the model "
@@ -173,11 +186,11 @@ def format_compare(pp: int, n: int, costs: Costs, p2p: float,
     notes = []
     for name, scale, result in rows:
         if isinstance(result, str):
-            lines.append(f"{name:<22} {'-':>6} {'-':>6} {'cannot run (see below)':>30}")
+            lines.append(f"{name:<24} {'-':>6} {'-':>6} {'cannot run (see below)':>30}")
             notes.append(f"  {name}: {result}")
             continue
         bubbles = [r.bubble for r in result.ranks]
-        lines.append(f"{name:<22} {result.pipeline.num_stages:>6} {scale:>6g} {result.makespan:>9g} "
+        lines.append(f"{name:<24} {result.pipeline.num_stages:>6} {scale:>6g} {result.makespan:>9g} "
                      f"{min(bubbles):>10g} {max(bubbles):>10g} {result.bubble_ratio:>8.1%} "
                      f"{result.peak_activations:>8} {result.peak_activations * scale:>7g}")
     return "\n".join(lines + ([""] + notes if notes else []))
@@ -198,13 +211,14 @@ def _direction(pipe: Pipeline) -> tuple[Callable[[int], int] | None, str]:
 def run_draw(args: argparse.Namespace) -> int:
     if not args.output and not args.trace:
         raise ValueError("draw needs -o FILE (picture) and/or --trace FILE (Perfetto trace).")
-    result = simulate(_pipeline(args), args.cost, args.p2p)
+    result = simulate(_pipeline(args), args.cost, args.p2p, args.two_batch)
     if args.trace:
         write_trace(result.timeline, args.trace)
         print(f"wrote {args.trace}")
     if args.output:
         pipe = result.pipeline
-        title = args.title or (f"{pipe.name}, pp={pipe.pp_size}, {pipe.n_microbatches} microbatches, costs {result.costs}\n"
+        halves = ", two-batch overlap" if result.two_batch else ""
+        title = args.title or (f"{pipe.name}, pp={pipe.pp_size}, {pipe.n_microbatches} microbatches, costs {result.costs}{halves}\n"
                                f"makespan {result.makespan:g}, bubble {result.bubble_ratio:.1%}")
         direction_of, label = _direction(pipe)
         draw_timeline(result.timeline, args.output, title, direction_of, label)

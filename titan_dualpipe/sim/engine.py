@@ -16,11 +16,16 @@ an input that never comes raises ValueError naming the stuck actions.
 Peak activations count live stage-microbatch activations per rank: +1 at each ``F``,
 -1 at ``B``, or at ``W`` for a backward split into ``I`` + ``W``; a pair adds its
 forward before its backward releases.
+
+With ``two_batch=True`` (our schedules only) lone forwards and their lone backwards run on
+two halves of the microbatch, costing ``F2`` and ``B2`` (:mod:`.two_batch` says which actions
+and how the runtime places their backward); such an action's timeline entry has ``halves``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .._compat import B, F, I, OVERLAP_F_B, W, _Action
@@ -28,8 +33,9 @@ from ..orders.dataflow import input_source
 from ..orders.lowering import leaf_actions
 from .costs import Costs
 from .memory import peak_activation_bytes
-from .schedules import Pipeline
+from .schedules import TORCH_SCHEDULES, Pipeline
 from .timeline import TimedAction
+from .two_batch import freed_at_input, halves_cost, split_actions
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class SimResult:
     makespan: float
     ranks: list[RankStats]
     timeline: list[TimedAction]
+    two_batch: bool = False
 
     @property
     def bubble_ratio(self) -> float:
@@ -77,6 +84,7 @@ class SimResult:
             "num_stages": self.pipeline.num_stages,
             "costs": self.costs.as_dict(),
             "p2p": self.p2p,
+            "two_batch": self.two_batch,
             "makespan": self.makespan,
             "busy_per_rank": [r.busy for r in self.ranks],
             "bubble_per_rank": [r.bubble for r in self.ranks],
@@ -90,6 +98,7 @@ class SimResult:
 
 
 def action_cost(action: _Action, costs: Costs) -> float:
+    """Time of ``action`` run whole (not on two halves)."""
     kind = action.computation_type
     if kind == OVERLAP_F_B:
         return costs.overlapped
@@ -118,8 +127,8 @@ class _Run:
     ``_Action`` tuples (whose enum member hashes in Python).
     """
 
-    def __init__(self, pipe: Pipeline, costs: Costs, p2p: float) -> None:
-        self.pipe, self.p2p = pipe, p2p
+    def __init__(self, pipe: Pipeline, costs: Costs, p2p: float, split: frozenset[_Action]) -> None:
+        self.pipe, self.p2p, self.split = pipe, p2p, split
         self._ids: dict[_Action, int] = {}
         self.names: list[_Action] = []
         self.leaves = {rank: [self._number(leaf_actions(a)) for a in acts] for rank, acts in pipe.order.items()}
@@ -127,13 +136,18 @@ class _Run:
             rank: [[self._number(group) for leaf in leaf_actions(a) for group in _inputs(leaf, pipe)] for a in acts]
             for rank, acts in pipe.order.items()
         }
-        self.durations = {rank: [action_cost(a, costs) for a in acts] for rank, acts in pipe.order.items()}
+        self.durations = {rank: [self._cost(a, costs) for a in acts] for rank, acts in pipe.order.items()}
         self.position = {rank: 0 for rank in pipe.order}
         self.clock = {rank: 0.0 for rank in pipe.order}
         self.finished: list[tuple[float, int] | None] = [None] * len(self.names)  # (end, rank)
         self.waiting: dict[int, list[int]] = {}
         self.blocked_on: dict[int, tuple[int, ...]] = {}
         self.timeline: list[TimedAction] = []
+
+    def _cost(self, action: _Action, costs: Costs) -> float:
+        if action in self.split:
+            return halves_cost(action, costs.forward_in_halves, costs.backward_in_halves, self.pipe)
+        return action_cost(action, costs)
 
     def _number(self, actions: tuple[_Action, ...]) -> tuple[int, ...]:
         for action in actions:
@@ -167,7 +181,7 @@ class _Run:
             if start is None:
                 break
             end = start + self.durations[rank][pos]
-            self.timeline.append(TimedAction(rank, actions[pos], start, end))
+            self.timeline.append(TimedAction(rank, actions[pos], start, end, actions[pos] in self.split))
             self.clock[rank] = end
             self.position[rank] = pos + 1
             self.blocked_on.pop(rank, None)
@@ -189,13 +203,14 @@ class _Run:
         return "; ".join(lines)
 
 
-def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0) -> SimResult:
-    """Time ``pipe``'s order with ``costs`` per action and ``p2p`` per cross-rank hand-off."""
+def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0, two_batch: bool = False) -> SimResult:
+    """Time ``pipe``'s order with ``costs`` per action and ``p2p`` per cross-rank hand-off;
+    ``two_batch``: lone forwards and their lone backwards on two halves (``F2``, ``B2``)."""
     costs = costs or Costs()
     if p2p < 0:
         raise ValueError(f"p2p latency must be >= 0, got {p2p}.")
     _check_stages(pipe)
-    run = _Run(pipe, costs, p2p)
+    run = _Run(pipe, costs, p2p, two_batch_actions(pipe) if two_batch else frozenset())
     ready = deque(sorted(pipe.order))
     while ready:
         ready.extend(run.advance(ready.popleft()))
@@ -204,7 +219,16 @@ def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0) -> Si
             f"{pipe.name} order cannot finish: these actions wait for inputs that are never "
             f"produced: {run.stuck_report()}"
         )
-    return _result(run, costs)
+    return _result(run, costs, two_batch)
+
+
+def two_batch_actions(pipe: Pipeline) -> frozenset[_Action]:
+    """The actions of ``pipe`` that two-batch overlap runs on two halves; ValueError for torch's
+    schedules, whose runtime has no two-batch overlap."""
+    if pipe.name in TORCH_SCHEDULES:
+        raise ValueError(f"two-batch overlap is a feature of our schedules (DualPipe, DualPipeV), not of torch's "
+                         f"{pipe.name}: simulate DualPipe or DualPipeV, or drop two_batch (--two-batch).")
+    return split_actions(pipe.order)
 
 
 def _check_stages(pipe: Pipeline) -> None:
@@ -214,20 +238,22 @@ def _check_stages(pipe: Pipeline) -> None:
         raise ValueError(f"{pipe.name}: stages {unknown} run but belong to no chain of {pipe.chains}.")
 
 
-def peak_activations(actions: list[_Action]) -> int:
-    """Most stage-microbatch activations alive at once on a rank running ``actions`` in order."""
-    return int(peak_activation_bytes(actions, defaultdict(lambda: 1)))
+def peak_activations(actions: list[_Action], freed_at_input: Collection[tuple[int, int]] = ()) -> int:
+    """Most stage-microbatch activations alive at once on a rank running ``actions`` in order
+    (``freed_at_input``: see :func:`~.memory.peak_activation_bytes`)."""
+    return int(peak_activation_bytes(actions, defaultdict(lambda: 1), freed_at_input))
 
 
-def _result(run: _Run, costs: Costs) -> SimResult:
+def _result(run: _Run, costs: Costs, two_batch: bool) -> SimResult:
     makespan = max((e.end for e in run.timeline), default=0.0)
     busy = {rank: 0.0 for rank in run.pipe.order}
     for e in run.timeline:
         busy[e.rank] += e.end - e.start
+    freed = freed_at_input(run.split, run.pipe)
     stats = [
         RankStats(rank, busy[rank], makespan - busy[rank], (makespan - busy[rank]) / makespan if makespan else 0.0,
-                  peak_activations(actions), len(actions))
+                  peak_activations(actions, freed), len(actions))
         for rank, actions in sorted(run.pipe.order.items())
     ]
     timeline = sorted(run.timeline, key=lambda e: (e.rank, e.start))
-    return SimResult(run.pipe, costs, run.p2p, makespan, stats, timeline)
+    return SimResult(run.pipe, costs, run.p2p, makespan, stats, timeline, two_batch)

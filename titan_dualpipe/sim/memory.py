@@ -6,18 +6,20 @@ allocator statistics exist, this is the activation memory a schedule decides; on
 the part of ``torch.cuda.max_memory_allocated`` that the schedule moves.
 
 :func:`peak_activation_bytes` is the simulator's rule (a forward allocates its stage's
-activation, the backward that ends it frees it; a pair's forward allocates before its
-backward frees), weighted by each stage's measured bytes per microbatch.
+activation, the backward that ends it frees it: B, or W after an I, or I where the backward
+runs whole there; a pair's forward allocates before its backward frees), weighted by each
+stage's measured bytes per microbatch.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import Any, Iterable
 
 import torch
 
-from .._compat import B, F, W, _Action
+from .._compat import B, F, I, W, _Action
 from ..orders.lowering import leaf_actions
 
 
@@ -82,9 +84,11 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
-def peak_activation_bytes(actions: list[_Action | None], bytes_per_stage: dict[int, float]) -> float:
+def peak_activation_bytes(actions: list[_Action | None], bytes_per_stage: dict[int, float],
+                          freed_at_input: Collection[tuple[int, int]] = ()) -> float:
     """Most activation bytes alive at once on a rank running ``actions`` in order (comm
-    actions ignored), each stage-microbatch weighing ``bytes_per_stage[stage]``."""
+    actions ignored), each stage-microbatch weighing ``bytes_per_stage[stage]``. The
+    ``(stage, microbatch)`` in ``freed_at_input`` run their backward whole at ``I``: freed there."""
     live = peak = 0.0
     for action in actions:
         if action is None:
@@ -93,6 +97,12 @@ def peak_activation_bytes(actions: list[_Action | None], bytes_per_stage: dict[i
             if leaf.computation_type == F:
                 live += bytes_per_stage[leaf.stage_index]
                 peak = max(peak, live)
-            elif leaf.computation_type in (B, W):
+            elif _frees(leaf, freed_at_input):
                 live -= bytes_per_stage[leaf.stage_index]
     return peak
+
+
+def _frees(leaf: _Action, freed_at_input: Collection[tuple[int, int]]) -> bool:
+    kind = leaf.computation_type
+    at_input = (leaf.stage_index, leaf.microbatch_index) in freed_at_input
+    return kind == B or (kind == I if at_input else kind == W)

@@ -17,6 +17,14 @@ the costs count those I as full backwards and set ``W = 0`` (``I = B``), and the
 simulated bubble next to the one the same costs would give with the eager split's weight share
 of the backward (sampled on an uncompiled copy of a stage). One more step, under torch's
 profiler, counts the compiled backward calls each action kind ran (W: none).
+
+``--two-batch`` builds the schedule with ``two_batch_overlap=True`` (TinyLM posts no
+exchanges, so the automatic default leaves it off): every lone forward runs its microbatch
+(``ROWS_PER_MICROBATCH`` rows) as two halves, and so does its backward where that is lone too
+(:mod:`titan_dualpipe.sim.two_batch` names the actions, from the order, and the timeline marks
+them). Their median times become ``F2`` and ``B2`` (the action that ran the whole backward:
+a B, an I, a chain-first stage's W; the other of I and W is left out), and the simulation runs
+with ``two_batch=True``; the activation memory rows then show whether splitting raised the peak.
 """
 
 from __future__ import annotations
@@ -37,13 +45,17 @@ import torch.distributed as dist
 from ..cli import HelpFormatter
 from ..orders import Placement, canonical_name, placement
 from .costs import Costs
+from .._compat import F
+from ..orders.dataflow import Chains
 from .engine import peak_activations, simulate
 from .memory import ActivationMeter, peak_activation_bytes
 from .schedules import pipeline_for
 from .timeline import TimedAction, action_kind, draw_timeline, write_trace
+from .two_batch import freed_at_input, runs_backward, split_actions
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 COMPUTE_KINDS = ("F", "B", "I", "W", "F&B")  # as action_kind names them
+ROWS_PER_MICROBATCH = 4  # batch rows per microbatch: two-batch overlap needs 2 or more to split
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,6 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=8, help="TinyLM blocks, split over the stages")
     p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--no-overlap", action="store_true", help="run pairs sequentially")
+    p.add_argument("--two-batch", action="store_true",
+                   help="two_batch_overlap=True: lone forwards and their lone backwards on two halves of the "
+                        "microbatch; their medians are the costs F2 and B2, simulated with two-batch overlap")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block in place first (backward whole at I, W a no-op: W=0)")
     p.add_argument("--compile-backend", help=f"with --compile: {' or '.join(COMPILE_BACKENDS)} (default inductor)")
@@ -111,32 +126,52 @@ def _measure(cfg: dict) -> dict:
     stages = [PipelineStage(parts[place.model_part(s)], s, place.num_stages, torch.device("cpu"))
               for s in place.stages_of(rank)]
     cls = ScheduleDualPipe if place.bidirectional else ScheduleDualPipeV
-    schedule = cls(stages, place.n_microbatches, loss_fn=lm_loss, record_timeline=True, overlap=cfg["overlap"])
-    x = torch.randint(0, 512, (4 * place.n_microbatches, cfg["seq"]))
+    schedule = cls(stages, place.n_microbatches, loss_fn=lm_loss, record_timeline=True, overlap=cfg["overlap"],
+                   two_batch_overlap=True if cfg["two_batch"] else None)
+    rows = ROWS_PER_MICROBATCH
+    x = torch.randint(0, 512, (rows * place.n_microbatches, cfg["seq"]))
     feeds = place.feeds_batch(rank)
     meter = ActivationMeter(p for s in stages for p in s.submod.parameters())
+    half_calls = [0]
+    hooks = _count_half_batches(stages, rows, half_calls) if cfg["two_batch"] else []
     for step in range(cfg["steps"]):
+        half_calls[0] = 0  # the last step's count stays
         dist.barrier()
         start = time.perf_counter()
         with meter if step == cfg["steps"] - 1 else contextlib.nullcontext():  # the measured step
             schedule.step(x, target=x) if feeds else schedule.step()
         step_time = time.perf_counter() - start
+    for hook in hooks:
+        hook.remove()
     times = [0.0] * place.pp_size
     dist.all_gather_object(times, step_time)
+    halves: list = [0] * place.pp_size
+    dist.all_gather_object(halves, half_calls[0] // 2)
     timeline = schedule.collect_timeline()
     probe = next(s for s in stages if not place.is_first(s.stage_index))
     split: list = [None] * place.pp_size
     eager_probe = eager_parts[place.model_part(probe.stage_index)]
-    dist.all_gather_object(split, _split_backward_sample(probe, place, 4, cfg, module=eager_probe))
+    dist.all_gather_object(split, _split_backward_sample(probe, place, rows, cfg, module=eager_probe))
     memory: list = [None] * place.pp_size
-    dist.all_gather_object(memory, (meter.peak, {s.stage_index: _stage_activation_bytes(s, place, 4, cfg)
+    dist.all_gather_object(memory, (meter.peak, {s.stage_index: _stage_activation_bytes(s, place, rows, cfg)
                                                  for s in stages}))
     calls: list = [None] * place.pp_size
     if cfg["compile"]:  # one more step, under the profiler: compiled backward calls per action kind
         step = (lambda: schedule.step(x, target=x)) if feeds else schedule.step
         dist.all_gather_object(calls, compiled_backward_calls_per_kind(schedule, place, rank, step))
     return {"timeline": timeline, "step_time": max(times), "split_backward": split, "memory": memory,
-            "order": schedule.pipeline_order, "compiled_backward_calls": calls}
+            "order": schedule.pipeline_order, "compiled_backward_calls": calls, "forwards_on_halves": sum(halves)}
+
+
+def _count_half_batches(stages, rows: int, calls: list[int]) -> list:
+    """Hooks adding to ``calls[0]`` each forward call of a stage's first block on fewer than
+    ``rows`` rows: a forward the runtime ran on two halves makes two."""
+    def count(module: torch.nn.Module, args: tuple) -> None:
+        if args and args[0].shape[0] < rows:
+            calls[0] += 1
+
+    firsts = {id(block): block for block in (next(iter(s.submod.layers.values())) for s in stages)}
+    return [block.register_forward_pre_hook(count) for block in firsts.values()]
 
 
 def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step) -> dict[str, int]:
@@ -176,23 +211,28 @@ def _stage_activation_bytes(stage, place: Placement, rows: int, cfg: dict) -> in
     return held
 
 
-def activation_memory(measured: dict) -> dict:
+def activation_memory(measured: dict, freed: Collection[tuple[int, int]] = ()) -> dict:
     """Per rank: the measured peak of saved activations and the simulator's prediction (its
-    live-activation rule over the order, each stage-microbatch weighing its measured bytes)."""
+    live-activation rule over the order, each stage-microbatch weighing its measured bytes;
+    ``freed``: the ``(stage, microbatch)`` whose backward runs whole at I, freed there)."""
     per_stage = {s: b for _, stages in measured["memory"] for s, b in stages.items()}
     order = measured["order"]
     measured_peak = [peak for peak, _ in measured["memory"]]
-    simulated = [peak_activation_bytes(order[rank], per_stage) for rank in range(len(measured_peak))]
-    counts = [peak_activations([a for a in order[rank] if a is not None]) for rank in range(len(measured_peak))]
+    simulated = [peak_activation_bytes(order[rank], per_stage, freed) for rank in range(len(measured_peak))]
+    counts = [peak_activations([a for a in order[rank] if a is not None], freed) for rank in range(len(measured_peak))]
     return {"measured_peak_bytes": measured_peak, "simulated_peak_bytes": simulated,
             "simulated_peak_stage_microbatches": counts,
             "bytes_per_stage_microbatch": dict(sorted(per_stage.items())),
             "measured_over_simulated": [m / s if s else None for m, s in zip(measured_peak, simulated)]}
 
 
-def costs_from(timeline: list[TimedAction], place: Placement,
+def costs_from(timeline: list[TimedAction], place: Chains,
                split_samples: list[tuple[float, float]] | None = None, whole_stages: Collection[int] = ()) -> Costs:
     """Median duration of each action kind; a missing kind is derived from the others.
+
+    Actions marked ``halves`` (two-batch overlap) give ``F2`` (forwards) and ``B2`` (the B, I
+    or chain-first W that ran the whole backward; the other of I and W is left out); where no
+    action of a kind ran whole, the halves' cost stands in for it (F = F2, B = B2).
 
     On a chain's first stage torch's split backward has no input gradient to compute, so its I
     takes nothing and its W runs the whole backward: those count as full backwards. On
@@ -205,21 +245,32 @@ def costs_from(timeline: list[TimedAction], place: Placement,
     """
     by_kind: dict[str, list[float]] = defaultdict(list)
     for event in timeline:
-        kind = action_kind(event.action)
-        stage = event.action.stage_index
-        if kind in ("I", "W") and (place.is_first(stage) or stage in whole_stages):
-            full = "W" if place.is_first(stage) else "I"  # the action that ran the whole backward
-            if kind == full:
-                by_kind["B"].append(event.end - event.start)
-            continue
-        by_kind[kind].append(event.end - event.start)
+        kind = _sample_kind(event, place, whole_stages)
+        if kind is not None:
+            by_kind[kind].append(event.end - event.start)
     median = {kind: statistics.median(d) for kind, d in by_kind.items()}
-    b = median.get("B", median.get("I", 0.0) + median.get("W", 0.0))
+    f2, b2 = median.get("F2"), median.get("B2")
+    parts = median.get("I", 0.0) + median.get("W", 0.0)
+    b = median.get("B", parts if parts or b2 is None else b2)
     w = median.get("W")
     if w is None:
         shares = [weight / (inp + weight) for inp, weight in split_samples or [] if inp + weight > 0]
         w = b * statistics.median(shares) if shares else 0.0
-    return Costs(F=median["F"], B=max(b, w), W=w, FB=median.get("F&B"))
+    return Costs(F=median.get("F", f2), B=max(b, w), W=w, FB=median.get("F&B"), F2=f2, B2=b2)
+
+
+def _sample_kind(event: TimedAction, place: Chains, whole_stages: Collection[int]) -> str | None:
+    """Which cost ``event``'s duration samples (see :func:`costs_from`), or None for none."""
+    kind = action_kind(event.action)
+    stage = event.action.stage_index
+    if event.halves:
+        if kind == "F":
+            return "F2"
+        return "B2" if runs_backward(event.action, place) else None
+    if kind in ("I", "W") and (place.is_first(stage) or stage in whole_stages):
+        full = "W" if place.is_first(stage) else "I"  # the action that ran the whole backward
+        return "B" if kind == full else None
+    return kind
 
 
 def _config(args: argparse.Namespace) -> dict:
@@ -230,6 +281,8 @@ def _config(args: argparse.Namespace) -> dict:
     if args.layers < parts:
         raise ValueError(f"--layers {args.layers}: {schedule} at --pp {args.pp} cuts the model into {parts} parts; "
                          f"give --layers {parts} or more")
+    if args.two_batch and args.no_overlap:
+        raise ValueError("--two-batch runs halves as a relay, which needs overlap: drop --no-overlap (or --two-batch)")
     if args.compile_backend is not None and not args.compile:
         raise ValueError(f"--compile-backend {args.compile_backend}: add --compile (or drop --compile-backend)")
     backend = args.compile_backend or COMPILE_BACKENDS[0]
@@ -237,6 +290,7 @@ def _config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--compile-backend {backend!r}: give one of {', '.join(COMPILE_BACKENDS)}")
     return {"schedule": schedule, "pp": args.pp, "microbatches": args.microbatches, "steps": max(1, args.steps),
             "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap,
+            "two_batch": args.two_batch,
             "compile": backend if args.compile else None}
 
 
@@ -255,7 +309,7 @@ def compiled_summary(measured: dict, place: Placement, pipe, costs: Costs) -> di
             calls[kind] += n
     shares = [w / (i + w) for i, w in measured["split_backward"] if i + w > 0]
     eager = replace(costs, W=costs.B * statistics.median(shares)) if shares else costs
-    eager_run = simulate(pipe, eager)
+    eager_run = simulate(pipe, eager, two_batch=measured["two_batch"])
     return {"backend": measured["backend"], "W": costs.W,
             "measured_action_s": {kind: statistics.median(d) for kind, d in sorted(durations.items())},
             "compiled_backward_calls": dict(sorted(calls.items())),
@@ -280,11 +334,15 @@ def _print_compiled(result: dict) -> None:
 
 def _print_result(result: dict, costs: Costs) -> None:
     memory = result["activation_memory"]
-    print(f"measured costs (s): {costs}")
+    print(f"measured costs (s): {costs}" + (" (F2, B2: on two halves; two-batch overlap)" if result["two_batch"] else ""))
     print(f"step time: measured {result['measured_step_s']:.4f} s, simulated with these costs "
           f"{result['simulated_step_s']:.4f} s (bubble {result['simulated_bubble_ratio']:.1%})")
     if "compiled" in result:
         _print_compiled(result)
+    if "forwards_on_halves" in result:
+        halves = result["forwards_on_halves"]
+        print(f"two-batch overlap: {halves['measured']} forwards ran on two halves "
+              f"(the order's lone forwards: {halves['lone_in_order']})")
     print("activation memory, saved for backward (MiB); simulated: live stage-microbatches x their measured size")
     print(f"{'rank':>4}  {'measured peak':>13}  {'simulated':>9}  {'measured/simulated':>18}  {'live at peak':>12}")
     rows = zip(memory["measured_peak_bytes"], memory["simulated_peak_bytes"], memory["simulated_peak_stage_microbatches"])
@@ -299,23 +357,27 @@ def run(args: argparse.Namespace) -> int:
     schedule = cfg["schedule"]
     place = placement(schedule, args.pp, args.microbatches)
     measured = run_on_processes(_measure, args.pp, cfg)
-    measured["backend"] = cfg["compile"]
-    timeline = measured["timeline"]
+    measured["backend"], measured["two_batch"] = cfg["compile"], cfg["two_batch"]
+    split = split_actions(measured["order"]) if cfg["two_batch"] else frozenset()
+    timeline = [e._replace(halves=e.action in split) for e in measured["timeline"]]
     whole = range(place.num_stages) if cfg["compile"] else ()  # every stage holds compiled blocks
     costs = costs_from(timeline, place, None if cfg["compile"] else measured["split_backward"], whole_stages=whole)
     pipe = pipeline_for(schedule, args.pp, args.microbatches)
-    simulated = simulate(pipe, costs)
+    simulated = simulate(pipe, costs, two_batch=cfg["two_batch"])
     if args.output:
         direction_of = place.chain_of if place.bidirectional else (lambda stage: int(stage >= place.pp_size))
         draw_timeline(timeline, args.output, title=f"{schedule} pp={args.pp} n={args.microbatches}, measured",
                       direction_of=direction_of, time_label="seconds")
     if args.trace:
         write_trace(timeline, args.trace, us_per_unit=1e6)
-    result = {"costs_s": costs.as_dict(), "measured_step_s": measured["step_time"],
+    result = {"costs_s": costs.as_dict(), "two_batch": cfg["two_batch"], "measured_step_s": measured["step_time"],
               "simulated_step_s": simulated.makespan, "simulated_bubble_ratio": simulated.bubble_ratio,
-              "activation_memory": activation_memory(measured)}
+              "activation_memory": activation_memory(measured, freed_at_input(split, place))}
     if cfg["compile"]:
         result["compiled"] = compiled_summary(measured, place, pipe, costs)
+    if cfg["two_batch"]:
+        result["forwards_on_halves"] = {"measured": measured["forwards_on_halves"],
+                                        "lone_in_order": sum(a.computation_type == F for a in split)}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,8 +1,12 @@
 """Timelines: per-rank action records, drawn as a picture or written as a Chrome/Perfetto trace.
 
 A timeline is a list of :class:`~titan_dualpipe.runtime.timeline.TimedAction` ``(rank, action,
-start, end)``; the simulator produces one, and a measured run records the same shape. :func:`draw_timeline` needs
+start, end, halves)``; the simulator produces one, and a measured run records the same shape. :func:`draw_timeline` needs
 matplotlib (``pip install 'titan_dualpipe[plot]'``); :func:`write_trace` needs nothing.
+
+An action whose microbatch ran on two halves (two-batch overlap, ``halves``) is named with a
+``½`` suffix (``F3½``, ``B3½``) in traces (and has ``halves`` in its args) and is drawn as two
+stacked half-height cells.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ from ..runtime.timeline import TimedAction
 StageDirection = Callable[[int], int]
 
 
-def action_label(action: _Action) -> str:
-    """Short label: ``F3``, ``B5``, ``I2``, ``W2``; a pair is ``F3&B5``."""
-    return "&".join(f"{leaf.computation_type.value}{_microbatch(leaf)}" for leaf in leaf_actions(action))
+HALVES = "½"  # label suffix of an action run on two halves of its microbatch
+
+
+def action_label(action: _Action, halves: bool = False) -> str:
+    """Short label: ``F3``, ``B5``, ``I2``, ``W2``; a pair is ``F3&B5``; ``F3½`` on two halves."""
+    label = "&".join(f"{leaf.computation_type.value}{_microbatch(leaf)}" for leaf in leaf_actions(action))
+    return label + HALVES if halves else label
 
 
 def _microbatch(action: _Action) -> str:
@@ -47,14 +55,15 @@ def trace_events(events: Iterable[TimedAction], us_per_unit: float = 1000.0) -> 
         records.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
     for e in sorted(events, key=lambda e: (e.rank, e.start)):
         records.append({
-            "name": action_label(e.action),
+            "name": action_label(e.action, e.halves),
             "cat": action_kind(e.action),
             "ph": "X",
             "pid": e.rank,
             "tid": 0,
             "ts": e.start * us_per_unit,
             "dur": (e.end - e.start) * us_per_unit,
-            "args": {"action": str(e.action), "stages": [leaf.stage_index for leaf in leaf_actions(e.action)]},
+            "args": {"action": str(e.action), "stages": [leaf.stage_index for leaf in leaf_actions(e.action)],
+                     "halves": e.halves},
         })
     return {"traceEvents": records, "displayTimeUnit": "ms"}
 
@@ -75,6 +84,8 @@ _COLOURS = {
     W: ("#9b6fc3", "#d9c6ea"),
 }
 _ROW_HEIGHT = 0.8
+_HALF_GAP = 0.06  # white band between the two halves of a split action's cell
+_HALF_ROWS = (((_ROW_HEIGHT - _HALF_GAP) / 2, 0.0), ((_ROW_HEIGHT - _HALF_GAP) / 2, (_ROW_HEIGHT + _HALF_GAP) / 2))
 
 
 def _import_pyplot():
@@ -101,7 +112,8 @@ def draw_timeline(
     """Draw one row per rank, time on x, one cell per action; write it to ``path`` (png, svg, pdf).
 
     Cells are coloured by kind (F, B, I, W) with the microbatch inside; an overlapped pair is
-    one outlined box split into its F and B halves. ``direction_of(stage)`` (0 or 1) picks a
+    one outlined box split into its F and B halves; an action on two halves of its microbatch
+    (``halves``) two stacked half-height cells. ``direction_of(stage)`` (0 or 1) picks a
     lighter, hatched shade for 1 (e.g. DualPipe's second chain: ``Placement.chain_of``),
     named ``direction_label`` in the legend. Gaps are bubbles.
     """
@@ -123,7 +135,8 @@ def draw_timeline(
     _style_axes(ax, ranks, (start, end), title, time_label)
     handles = _legend_handles(events, direction_of, direction_label)
     legend_height = 0.45  # inches kept free under the axes for the legend
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
+               handler_map={_HalvesHandle: _HalvesHandler()})
     fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -149,6 +162,8 @@ def _legend_handles(events: list[TimedAction], direction_of: StageDirection, dir
     handles = [Patch(facecolor=_COLOURS[k][0], edgecolor="black", label=k.value) for k in (F, B, I, W) if k in kinds]
     if any(e.action.computation_type == OVERLAP_F_B for e in events):
         handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2, label="F&B overlapped"))
+    if any(e.halves for e in events):
+        handles.append(_HalvesHandle(label=f"two halves ({HALVES})"))
     if any(direction_of(leaf.stage_index) for leaf in leaves):
         handles.append(Patch(facecolor=_COLOURS[F][1], edgecolor="grey", hatch="//", label=direction_label))
     return handles
@@ -169,7 +184,8 @@ def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection,
     for i, leaf in enumerate(leaves):
         direction = min(direction_of(leaf.stage_index), 1)
         x = event.start + i * width
-        ax.add_patch(_cell(x, top, width, leaf, direction))
+        for height, offset in _HALF_ROWS if event.halves else ((_ROW_HEIGHT, 0.0),):
+            ax.add_patch(_cell(x, top + offset, width, leaf, direction, height))
         if width * points_per_unit >= 1.2 * font:  # no label on slivers
             ax.text(x + width / 2, row, _microbatch(leaf), ha="center", va="center", fontsize=font)
     if len(leaves) > 1:
@@ -181,9 +197,33 @@ def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection,
                                fill=False, edgecolor="black", linewidth=1.8, zorder=3))
 
 
-def _cell(x: float, top: float, width: float, leaf: _Action, direction: int):
+def _cell(x: float, top: float, width: float, leaf: _Action, direction: int, height: float = _ROW_HEIGHT):
     from matplotlib.patches import Rectangle
 
     colour = _COLOURS.get(leaf.computation_type, ("#999999", "#dddddd"))[direction]
-    return Rectangle((x, top), width, _ROW_HEIGHT, facecolor=colour, edgecolor="white" if not direction else "grey",
+    return Rectangle((x, top), width, height, facecolor=colour, edgecolor="white" if not direction else "grey",
                      linewidth=0.6, hatch="//" if direction else None)
+
+
+class _HalvesHandle:
+    """Legend entry for actions on two halves (drawn by :class:`_HalvesHandler`)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def get_label(self) -> str:
+        return self.label
+
+
+class _HalvesHandler:
+    """Draws a :class:`_HalvesHandle` as two stacked grey bars, like a split action's cell."""
+
+    def legend_artist(self, legend, handle: _HalvesHandle, fontsize: float, handlebox):
+        from matplotlib.patches import Rectangle
+
+        x, y, w, h = -handlebox.xdescent, -handlebox.ydescent, handlebox.width, handlebox.height
+        bars = [Rectangle((x, y + offset), w, 0.42 * h, facecolor="#888888", edgecolor="none",
+                          transform=handlebox.get_transform()) for offset in (0.0, 0.58 * h)]
+        for bar in bars:
+            handlebox.add_artist(bar)
+        return bars[0]

@@ -164,6 +164,17 @@ def _peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _token_exchange_rows(trainer: Any) -> int | None:
+    """Rows a whole microbatch's token exchange sends from one rank: its tokens times the
+    router's top-k (torchtitan's routers name it ``top_k`` in both releases); None without MoE."""
+    config = GEN.trainer_config(trainer)
+    top_k = next((m.top_k for part in trainer.model_parts for m in part.modules()
+                  if isinstance(getattr(m, "top_k", None), int)), None)
+    if top_k is None:
+        return None
+    return config.parallelism.pipeline_parallel_microbatch_size * config.training.seq_len * top_k
+
+
 def _tokens_per_step(trainer: Any) -> int:
     """Tokens one optimizer step trains on, all data-parallel replicas together."""
     config = GEN.trainer_config(trainer)
@@ -193,6 +204,7 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
 
         def train_step(self: Any, *args: Any, _original: Any = original_step, **kwargs: Any) -> Any:
             if not record.step_s:
+                cost.reference_rows = _token_exchange_rows(self)
                 _time_phases(self, clock)
                 if calibrate:
                     _time_blocks(self.model_parts, record)

@@ -30,6 +30,10 @@ follows its count read at once). ``install(count_exchange=True)`` (bench runs) r
 exchange through :func:`~titan_dualpipe.overlap.comm.count_exchange`, where the emulated network
 charges it and the comparison runs hand over.
 
+0.2.2's ``ExpertParallel`` keeps a dispatch's splits on the module until the combine; they are
+kept per thread (:class:`PerThread`), so the two halves of a two-batch split, which run one layer
+on two threads of a relay, each combine with their own. 0.3.0 passes them along explicitly.
+
 DeepEP / HybridEP dispatch has its own communication and is left as it is.
 """
 
@@ -41,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from .generation import GEN
+from .pipeline import ACTIVE
 
 
 def _dispatch_token_exchange(self: Any, routed: torch.Tensor, pg: Any, output_splits: list[int],
@@ -102,9 +107,49 @@ def _share_meshes_with_the_relay() -> None:
         spmd_types.set_spmd_meshes = _recording(spmd_types.set_spmd_meshes)
 
 
+# What 0.2.2's ExpertParallel keeps on itself from a dispatch for its combine.
+_DISPATCH_STATE = ("input_splits", "output_splits", "input_shape", "permuted_indices")
+
+
+class PerThread:
+    """An instance attribute kept per thread. 0.2.2's ``ExpertParallel`` leaves its dispatch's
+    splits and permutation on the module for the combine; two halves of one microbatch run the
+    same layer on two threads of a relay (two-batch overlap), the second half's dispatch in
+    between the first half's dispatch and combine, so each thread keeps its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(_thread_values(obj), self.name, None)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(_thread_values(obj), self.name, value)
+
+
+def _thread_values(obj: Any) -> threading.local:
+    values = obj.__dict__.get("_titan_dualpipe_per_thread")
+    if values is None:
+        values = obj.__dict__.setdefault("_titan_dualpipe_per_thread", threading.local())
+    return values
+
+
+def has_expert_parallel_moe(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds torchtitan MoE layers whose experts are split over an
+    expert-parallel group (their dispatch and combine then exchange tokens)."""
+    return ACTIVE.expert_parallel and any(type(m).__name__ == "MoE" and type(m).__module__.startswith("torchtitan")
+                                          for m in module.modules())
+
+
 def install(*, count_exchange: bool = False) -> None:
     """Route torchtitan's expert-parallel all-to-all through the relay (idempotent); with
-    ``count_exchange`` (bench runs) its token-count exchange through ``comm.count_exchange`` too."""
+    ``count_exchange`` (bench runs) its token-count exchange through ``comm.count_exchange`` too.
+    Our schedules' two-batch overlap then counts torchtitan's MoE stages as stages with exchanges."""
+    from ..runtime.halves import register_exchange_rule
+
+    register_exchange_rule(has_expert_parallel_moe)
     if GEN.registry:
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -120,6 +165,9 @@ def install(*, count_exchange: bool = False) -> None:
     from ..overlap.comm import relayed_all_to_all_single
 
     expert_parallel.all_to_all_single_autograd = relayed_all_to_all_single
+    for name in _DISPATCH_STATE:
+        if not isinstance(expert_parallel.ExpertParallel.__dict__.get(name), PerThread):
+            setattr(expert_parallel.ExpertParallel, name, PerThread(name))
     if count_exchange:
         expert_parallel.all_to_all_single = _through_count_exchange(
             expert_parallel.all_to_all_single, lambda x, output_splits, input_splits, group, *_: group)

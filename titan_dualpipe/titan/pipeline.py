@@ -29,6 +29,7 @@ our schedules run overlapped pairs themselves. Every other name gets torchtitan'
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ class ActiveRun:
     overlap: bool = True
     stages: list[Any] = field(default_factory=list)
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
+    expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
 
 
 ACTIVE = ActiveRun()
@@ -137,7 +139,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     fold.WINDOW.open = False
     # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
-                                    overlap=ACTIVE.overlap)
+                                    overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option())
     ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
     if fold.WINDOW.used and not ACTIVE.folded:
         raise RuntimeError("DualPipe: the model parts were sharded over twin pipeline ranks but the schedule does "
@@ -150,9 +152,29 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
-        + _twins_note(name, par)
+        + _twins_note(name, par) + _two_batch_note(schedule, par)
     )
     return schedule
+
+
+def two_batch_option() -> bool | None:
+    """Our schedules' ``two_batch_overlap`` from the environment (no config key in torchtitan 0.2.2):
+    ``TITAN_DUALPIPE_TWO_BATCH=1`` / ``0``, unset or empty for the default."""
+    from ..bench.titan import TWO_BATCH_ENV
+
+    value = os.environ.get(TWO_BATCH_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on), 0 (off) or leave it unset (automatic)")
+    return None if value == "" else value == "1"
+
+
+def _two_batch_note(schedule: Any, par: Any) -> str:
+    if not schedule.two_batch_stages:
+        return ""
+    if par.pipeline_parallel_microbatch_size < 2:
+        return ("; two-batch overlap is on for stages " + str(sorted(schedule.two_batch_stages))
+                + " but microbatches of 1 row run whole (pipeline_parallel_microbatch_size >= 2 splits them)")
+    return f"; forwards without a pair partner run in two halves (two-batch overlap) on stages {sorted(schedule.two_batch_stages)}"
 
 
 def _scalar_loss(loss_fn: Callable) -> Callable:

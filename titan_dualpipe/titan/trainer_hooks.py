@@ -51,6 +51,7 @@ def prepare(job_config: Any) -> None:
         return
     if not cpu.accelerator_present():
         check_cpu_attention(ACTIVE.plan, job_config)
+    ACTIVE.expert_parallel = job_config.parallelism.expert_parallel_degree > 1
     expert_overlap.install()
     if GEN.registry and ACTIVE.plan.schedule == "DualPipe":
         _adapt_dualpipe_030(job_config)

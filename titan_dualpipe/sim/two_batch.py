@@ -1,0 +1,62 @@
+"""Two-batch overlap in the simulator: which actions run on two halves, and what they cost.
+
+Which microbatches split comes from :mod:`titan_dualpipe.orders.two_batch`, the rule the
+runtime applies; the simulator models ``two_batch_overlap=True`` (every stage splits). As the
+runtime runs them:
+
+- a lone forward of a split microbatch costs ``F2``;
+- its backward, when lone too, runs whole (input and weight gradients in one pass) on the two
+  halves and costs ``B2``: at its ``B``; or at its ``I``, its ``W`` then costing 0; on a
+  chain's first stage the runtime defers the ``I`` to the ``W`` (nothing needs the input
+  gradient), so there the ``I`` costs 0 and the ``W`` ``B2``;
+- the backward of a pair runs in the pair (``FB``), as for an unsplit microbatch.
+
+A split microbatch's activation is freed by the action that runs its backward: its ``I`` on
+a stage that is not first in its chain, instead of its ``W``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from .._compat import B, F, I, W, _Action
+from ..orders.dataflow import Chains
+from ..orders.two_batch import lone_forwards, paired_backwards
+
+Order = dict[int, list[_Action | None]]
+
+
+def split_actions(order: Order) -> frozenset[_Action]:
+    """The compute actions (never pairs) of ``order`` that belong to a microbatch run on two
+    halves: each lone forward, and the ``B``, ``I`` and ``W`` of its backward when that is lone."""
+    split: set[_Action] = set()
+    for actions in order.values():
+        lone, paired = lone_forwards(actions), paired_backwards(actions)
+        for action in filter(None, actions):
+            key = (action.stage_index, action.microbatch_index)
+            kind = action.computation_type
+            if key in lone and (kind == F or (kind in (B, I, W) and key not in paired)):
+                split.add(action)
+    return frozenset(split)
+
+
+def runs_backward(action: _Action, chains: Chains) -> bool:
+    """Whether ``action`` (``B``, ``I`` or ``W`` of a split microbatch) is the one that runs its
+    whole backward: a ``B``; an ``I``, or on a chain's first stage the ``W``."""
+    kind = action.computation_type
+    if kind == B:
+        return True
+    return (kind == W) == chains.is_first(action.stage_index)
+
+
+def halves_cost(action: _Action, forward: float, backward: float, chains: Chains) -> float:
+    """Time of a split action, given the times of a forward and a backward on two halves."""
+    if action.computation_type == F:
+        return forward
+    return backward if runs_backward(action, chains) else 0.0
+
+
+def freed_at_input(split: Collection[_Action], chains: Chains) -> set[tuple[int, int]]:
+    """``(stage, microbatch)`` whose activation its ``I`` frees (the backward runs whole there)."""
+    return {(a.stage_index, a.microbatch_index) for a in split
+            if a.computation_type == I and runs_backward(a, chains)}
