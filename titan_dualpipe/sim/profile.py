@@ -251,7 +251,7 @@ def costs_from(timeline: list[TimedAction], place: Chains,
     median = {kind: statistics.median(d) for kind, d in by_kind.items()}
     f2, b2 = median.get("F2"), median.get("B2")
     parts = median.get("I", 0.0) + median.get("W", 0.0)
-    b = median.get("B", parts if parts or b2 is None else b2)
+    b = median.get("B", parts if parts or b2 is None else b2)  # whole B, else I + W, else the halves' B2
     w = median.get("W")
     if w is None:
         shares = [weight / (inp + weight) for inp, weight in split_samples or [] if inp + weight > 0]
