@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 
 from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
+from titan_dualpipe.orders import compute_order
+from titan_dualpipe.orders.two_batch import lone_forwards
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -405,17 +407,33 @@ def test_dualpipe_under_tensor_parallel_swaps_loss_parallel_losses(runs_dir: Pat
 @pytest.mark.titan_e2e
 def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -> None:
     """The same model under DualPipeV with full activation checkpointing (the backward half
-    recomputes each block's exchanges): it trains and every rank's pairs switch halves at
-    torchtitan's expert-parallel all-to-all."""
+    recomputes each block's exchanges), microbatches of 2 rows: it trains, every rank's pairs
+    switch halves at torchtitan's expert-parallel all-to-all, and its lone forwards run as two
+    relayed halves (two-batch overlap, on by default for MoE stages under expert parallelism)
+    that switch there too. A run with two-batch overlap off logs the same losses and grad norms
+    (a split microbatch's weight gradients are sums of two half-batch gradients: summation order)."""
     steps = 4
-    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v", "--parallelism.pipeline_parallel_schedule",
-                    "DualPipeV", *FULL_AC, probe=True, nproc=4, steps=steps))
-    assert FULL_AC_LOG in run.output
+    two_rows = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
+                "--training.seq_len", "32")
+    args = ("--parallelism.pipeline_parallel_schedule", "DualPipeV", *two_rows, *FULL_AC)  # FULL_AC last (0.3.0)
+    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v", *args, probe=True, nproc=4, steps=steps))
+    assert FULL_AC_LOG in run.output and "run in two halves (two-batch overlap) on stages [3]" in run.output
     _assert_trains(run.losses(), steps)
     assert sorted(run.logged()) == [0, 1, 2, 3]
+    order = compute_order("DualPipeV", 2, 4)
     for rank in range(4):
-        assert run.probe(rank)["schedule_mro"][0] == "titan_dualpipe.runtime.schedules.ScheduleDualPipeV"
-        assert run.probe(rank)["relayed"]["hand_overs"] > 0, run.probe(rank)["relayed"]
+        probe = run.probe(rank)
+        assert probe["schedule_mro"][0] == "titan_dualpipe.runtime.schedules.ScheduleDualPipeV"
+        assert probe["relayed"]["hand_overs"] > 0, probe["relayed"]
+        # every stage holding a MoE layer (stage 0 holds the dense first layer only)
+        assert probe["two_batch_stages"] == ([3] if rank < 2 else [1, 2]), probe
+        split = [key for key in lone_forwards(order[rank // 2]) if key[0] in probe["two_batch_stages"]]
+        assert probe["halves"]["microbatches"] == len(split) * steps and probe["halves"]["hand_overs"] > 0, probe
+    whole = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v_whole", *args, probe=True, nproc=4, steps=steps,
+                      env={"TITAN_DUALPIPE_TWO_BATCH": "0"}))
+    assert all(whole.probe(rank)["halves"]["microbatches"] == 0 for rank in range(4))
+    _assert_close(run.losses(), whole.losses(), rel=1e-4)
+    _assert_close(run.grad_norms(), whole.grad_norms(), rel=1e-4)
 
 
 @pytest.mark.titan_e2e

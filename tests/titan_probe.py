@@ -39,7 +39,7 @@ def _install_probe(out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
-    from titan_dualpipe.overlap import pair
+    from titan_dualpipe.overlap import halves, pair
 
     trainer_class = importlib.import_module(GEN.trainer_module).Trainer
     original_close = trainer_class.close
@@ -53,6 +53,20 @@ def _install_probe(out_dir: str) -> None:
         return done
 
     pair.run_relayed = counted_run_relayed
+    split = {"microbatches": 0, "relays": 0, "hand_overs": 0}  # two-batch overlap's halves
+    join_halves, halves_relayed = halves.join_halves, halves.run_relayed
+
+    def counted_join(outputs, sizes):
+        split["microbatches"] += 1
+        return join_halves(outputs, sizes)
+
+    def counted_halves_relayed(first, second):
+        done = halves_relayed(first, second)
+        split["relays"] += 1
+        split["hand_overs"] += done.hand_overs
+        return done
+
+    halves.join_halves, halves.run_relayed = counted_join, counted_halves_relayed
 
     def close(self) -> None:
         schedule = getattr(self, "pp_schedule", None)
@@ -63,6 +77,8 @@ def _install_probe(out_dir: str) -> None:
                 "overlap": getattr(schedule, "overlap", None),
                 "folded": getattr(schedule, "fsdp_at_step_edges", None),
                 "relayed": relayed,
+                "halves": split,
+                "two_batch_stages": sorted(getattr(schedule, "two_batch_stages", ())),
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
             }
             path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
