@@ -215,6 +215,8 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
     feeds_v = pp_rank == 0
     out: dict[str, tuple[Any, bool]] = {
         "overlap": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=True), feeds_v),
+        "overlap_no_two_batch": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=True,
+                                                   two_batch_overlap=False), feeds_v),
         "sequential": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=False), feeds_v),
         "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(v_stages(), n, loss_fn=lm_loss)), feeds_v),
         "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss)), feeds_v),
@@ -233,6 +235,8 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
 
     if cfg["relay"]:
         out["overlap_relay"] = (ScheduleDualPipeV(v_copies(relay=True), n, loss_fn=lm_loss, overlap=True), feeds_v)
+        out["relay_no_two_batch"] = (ScheduleDualPipeV(v_copies(relay=True), n, loss_fn=lm_loss, overlap=True,
+                                                       two_batch_overlap=False), feeds_v)
     backend = cfg["compile"]
     if backend:  # each run its own compiled copies (graphs guard on their module)
         for name, relay, overlap in COMPILED_CONFIGS:
@@ -268,7 +272,8 @@ def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelCo
             m.zero_grad(set_to_none=True)
     _sync(device)
     waited, cpu = comm.stats.collect(), time.process_time() - cpu_start
-    charged = [comm.stats.charged_forward / steps, comm.stats.charged_backward / steps]
+    charged = [comm.stats.charged_forward / steps, comm.stats.charged_backward / steps,
+               comm.stats.charged_bytes / steps]
     dist.barrier()
     return (time.perf_counter() - start) / steps, waited / steps, cpu / steps, charged
 
@@ -323,13 +328,15 @@ def measure(cfg: dict) -> dict:
     raw = run_on_processes(_worker, world, cfg, backend="nccl" if cfg["device"] == "cuda" else "gloo")
     result = {f"step_time_{name}": raw["step_time"][name] for name in raw["step_time"]}
     result.update({f"exposed_comm_{name}": raw["exposed_comm"][name] for name in raw["exposed_comm"]})
-    for name, (forward, backward) in raw["charged"].items():  # per step, all ranks
+    for name, (forward, backward, remote_bytes) in raw["charged"].items():  # per step, all ranks
         result[f"charged_forward_{name}"], result[f"charged_backward_{name}"] = forward, backward
+        result[f"charged_bytes_{name}"] = remote_bytes
     if cfg["device"] == "cpu":  # no schedule can finish a step before the cores did all its CPU work
         cores = min(len(os.sched_getaffinity(0)), world)
         result.update({f"cpu_bound_{name}": raw["cpu_seconds"][name] / cores for name in raw["cpu_seconds"]})
         result["cores"] = cores
     result["overlap_vs_sequential"] = result["step_time_overlap"] / result["step_time_sequential"]
+    result["two_batch_vs_whole"] = result["step_time_overlap"] / result["step_time_overlap_no_two_batch"]
     if cfg["relay"]:
         result["overlap_relay_vs_sequential"] = result["step_time_overlap_relay"] / result["step_time_sequential"]
     if cfg["compile"]:
@@ -369,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
     _print_table(result, cpu=cfg["device"] == "cpu")
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
+    print(f"two-batch overlap / overlap without it: step time {result['two_batch_vs_whole']:.3f}, exposed comm "
+          f"{result['exposed_comm_overlap']:.4f} / {result['exposed_comm_overlap_no_two_batch']:.4f} s")
     if cfg["compile"]:
         relay = f", relay {result['compiled_relay_vs_sequential']:.3f}" if cfg["relay"] else ""
         print(f"compiled blocks ({cfg['compile']}), over compiled sequential: "
@@ -378,17 +387,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(result: dict, cpu: bool) -> None:
     """One row per run: step time, exposed comm, CPU bound (CPU runs), exchanges charged."""
-    print(f"{'schedule':<22}{'s/step':>10}{'exposed comm s/step':>22}" + (f"{'CPU bound s/step':>19}" if cpu else "")
-          + f"{'exchanges fwd+bwd/step':>25}")
+    print(f"{'schedule':<26}{'s/step':>10}{'exposed comm s/step':>22}" + (f"{'CPU bound s/step':>19}" if cpu else "")
+          + f"{'exchanges fwd+bwd/step':>25}{'MB/step':>10}")
     charged = set()
     for key in [k for k in result if k.startswith("step_time_")]:
         name = key[len("step_time_"):]
         exchanges = f"{result['charged_forward_' + name]:g}+{result['charged_backward_' + name]:g}"
-        charged.add(exchanges)
-        print(f"{name:<22}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
-              + (f"{result['cpu_bound_' + name]:>19.4f}" if cpu else "") + f"{exchanges:>25}")
-    # Equal counts: every run paid the emulated network for the same exchanges (equal work).
-    print("exchanges: all-to-alls charged by the emulated network per step, all ranks; "
-          + ("the same in every run" if len(charged) == 1 else "NOT the same in every run: unequal work"))
+        charged.add(result["charged_bytes_" + name])
+        print(f"{name:<26}{result[key]:>10.4f}{result['exposed_comm_' + name]:>22.4f}"
+              + (f"{result['cpu_bound_' + name]:>19.4f}" if cpu else "") + f"{exchanges:>25}"
+              + f"{result['charged_bytes_' + name] / 1e6:>10.3f}")
+    # Equal bytes: every run paid the emulated network for the same data (equal work); two-batch
+    # runs send it in more, smaller exchanges (each paying the latency).
+    print("exchanges: all-to-alls charged by the emulated network per step, all ranks, and their remote bytes; "
+          + ("the same bytes in every run" if len(charged) == 1 else "NOT the same bytes in every run: unequal work"))
     if cpu:
         print(f"CPU bound: all processes' CPU seconds per step / {result['cores']} usable cores")

@@ -73,15 +73,18 @@ class CommStats:
     posted: int = 0
     charged_forward: int = 0  # exchanges that paid an emulated network's time, forward
     charged_backward: int = 0  # and their reverse exchanges in a backward
+    charged_bytes: int = 0  # their remote bytes (two-batch halves post twice as many exchanges, each half as large)
     waited_s: float = 0.0
     timing: bool = False  # time the compute stream's stalls on a GPU (a benchmark, which drains them)
     gpu_stalls: list = field(default_factory=list)  # (start, end) CUDA events around compute-stream waits
 
     def reset(self) -> None:
         self.posted, self.charged_forward, self.charged_backward, self.waited_s = 0, 0, 0, 0.0
+        self.charged_bytes = 0
         self.gpu_stalls.clear()
 
-    def charge(self, backward: bool) -> None:
+    def charge(self, backward: bool, remote_bytes: int = 0) -> None:
+        self.charged_bytes += remote_bytes
         if backward:
             self.charged_backward += 1
         else:
@@ -204,7 +207,7 @@ class ExpertParallelComm:
         if x.is_meta:  # shape inference on meta tensors exchanges nothing
             return PendingAllToAll(x if self.group is None else torch.empty_like(x), None, 0.0, self.stats)
         if self.network is not None:
-            self.stats.charge(backward)
+            self.stats.charge(backward, self._remote_bytes(x))
             if x.is_cuda:
                 return self._post_emulated_on_gpu(x)
         # One rank keeps its data; the network's time (if any) passes all the same.
