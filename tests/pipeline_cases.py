@@ -876,3 +876,25 @@ def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str) -> 
     """:func:`numerics` with FSDP2 on checkpointed blocks; also how many backwards ran whole at I."""
     result = numerics(schedule, pp, n, fsdp=True, runtime=runtime)
     return {**result, "whole_at_input": len(_BUILT_WITH_CHECKPOINTS[0].whole_backwards)}
+
+
+def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
+    """:func:`numerics` with ``two_batch_overlap=True`` (TinyLM has no exchanges: forced on);
+    counts the microbatches that ran in halves."""
+    from titan_dualpipe.overlap import halves
+
+    joins: list = []
+    real = halves.join_halves
+
+    def counted(outputs, sizes):
+        joins.append(sizes)
+        return real(outputs, sizes)
+
+    halves.join_halves = counted
+    try:
+        result = numerics(schedule, pp, n, two_batch_overlap=True, **kwargs)
+    finally:
+        halves.join_halves = real
+    if result is not None:
+        result["split"] = len(joins)
+    return result
