@@ -65,7 +65,7 @@ def _is_expert(name: str) -> bool:
 
 
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
-          schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool | None = False,
+          schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
@@ -192,7 +192,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
 
 def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, relay: bool = False,
                        steps: int = 2) -> dict:
-    """Two-batch overlap on (the default for this MoE) against the reference and against the
+    """Two-batch overlap on (``True``: the stages with exchanges, here all) against the reference and against the
     same pipeline with it off: losses and every gradient, two steps with Adam between; counts
     the microbatches split, the halves the module interleaved itself and the relays' hand-overs."""
     from titan_dualpipe.overlap import halves as halves_module
@@ -201,7 +201,7 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
     place = placement(schedule, PP, n)
     module_cls = RelayedMoETransformer if relay else MoETransformer
     runs = {split: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
-                         two_batch=None if split else False) for split in (True, False)}
+                         two_batch=split) for split in (True, False)}
     reference = runs[True][0]
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)

@@ -879,7 +879,7 @@ def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str) -> 
 
 
 def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
-    """:func:`numerics` with ``two_batch_overlap=True`` (TinyLM has no exchanges: forced on);
+    """:func:`numerics` with ``two_batch_overlap="all"`` (TinyLM has no exchanges);
     counts the microbatches that ran in halves."""
     from titan_dualpipe.overlap import halves
 
@@ -892,7 +892,7 @@ def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
 
     halves.join_halves = counted
     try:
-        result = numerics(schedule, pp, n, two_batch_overlap=True, **kwargs)
+        result = numerics(schedule, pp, n, two_batch_overlap="all", **kwargs)
     finally:
         halves.join_halves = real
     if result is not None:

@@ -195,6 +195,7 @@ def test_bench_titan_times_a_gpu_step_with_events(fake_gpu, monkeypatch):
     tick = TICK_MS / 1e3
     assert record.step_s == [pytest.approx(9 * tick)]
     assert record.exposed_s == [pytest.approx(tick)]
+    assert record.exposed_by_action == [pytest.approx({bench_probe.OUTSIDE: tick})]  # no action of ours ran
     assert record.phases == [pytest.approx({"schedule": 3 * tick, "clip": tick, "optimizer": tick,
                                             "other": 4 * tick})]
     assert fake_gpu.syncs == 1

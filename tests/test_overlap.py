@@ -344,8 +344,8 @@ def test_failure_in_a_pair_surfaces_on_every_rank():
     ("DualPipeV", 5, False, False, True), ("DualPipeV", 4, True, False, True),
 ])
 def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoint, fsdp):
-    """Lone forwards run their microbatch (2 rows) as two relayed halves by default for this MoE
-    (expert-parallel exchanges): losses and gradients match the reference and the unsplit run
+    """``two_batch_overlap=True``: lone forwards run their microbatch (2 rows) as two halves on
+    every stage of this MoE (each posts expert-parallel exchanges): losses and gradients match the reference and the unsplit run
     at RTOL/ATOL (a weight gradient sums two half-batch gradients: a reordered sum)."""
     results = pool.run(cases.two_batch_numerics, schedule=schedule, n=n, relay=relay, checkpoint=checkpoint,
                        fsdp=fsdp)

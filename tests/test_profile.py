@@ -170,7 +170,7 @@ def test_profile_two_batch_needs_overlap(capsys):
 
 
 def test_profile_two_batch_runs_lone_forwards_on_halves_without_raising_peak_memory(tmp_path, capsys):
-    """``profile --two-batch`` (two_batch_overlap=True on TinyLM): the runtime ran exactly the
+    """``profile --two-batch`` (two_batch_overlap="all" on TinyLM): the runtime ran exactly the
     order's lone forwards on two halves, F2 and B2 are measured, the simulator's activation
     prediction still matches the measured peak, and that peak is not above the run without halves."""
     import json

@@ -364,7 +364,7 @@ def test_inductor_compiled_blocks_match_both_references(pool, schedule, compile_
     ("DualPipe", 2, 4, False), ("DualPipe", 4, 8, False), ("DualPipeV", 2, 5, True), ("DualPipe", 2, 4, True),
 ])
 def test_two_batch_overlap_matches_reference(pool, schedule, pp, n, fsdp):
-    """``two_batch_overlap=True``: every lone forward runs its microbatch (2 rows) as two halves
+    """``two_batch_overlap="all"``: every lone forward runs its microbatch (2 rows) as two halves
     (a relay; their backward too, where lone and not under FSDP2); losses and every gradient
     on every rank match the reference at RTOL/ATOL over two steps."""
     ran = _ran(pool.run(cases.two_batch_numerics, schedule=schedule, pp=pp, n=n, fsdp=fsdp))

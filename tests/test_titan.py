@@ -408,15 +408,18 @@ def test_dualpipe_under_tensor_parallel_swaps_loss_parallel_losses(runs_dir: Pat
 def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -> None:
     """The same model under DualPipeV with full activation checkpointing (the backward half
     recomputes each block's exchanges), microbatches of 2 rows: it trains, every rank's pairs
-    switch halves at torchtitan's expert-parallel all-to-all, and its lone forwards run as two
-    relayed halves (two-batch overlap, on by default for MoE stages under expert parallelism)
-    that switch there too. A run with two-batch overlap off logs the same losses and grad norms
+    switch halves at torchtitan's expert-parallel all-to-all, and with two-batch overlap on
+    (``TITAN_DUALPIPE_TWO_BATCH=1``) the lone forwards of its MoE stages run as two relayed halves
+    that switch there too. The run without it (the default) logs the same losses and grad norms
     (a split microbatch's weight gradients are sums of two half-batch gradients: summation order)."""
     steps = 4
     two_rows = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
                 "--training.seq_len", "32")
-    args = ("--parallelism.pipeline_parallel_schedule", "DualPipeV", *two_rows, *FULL_AC)  # FULL_AC last (0.3.0)
-    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v", *args, probe=True, nproc=4, steps=steps))
+    # deterministic algorithms: otherwise two identical runs of this model differ on CPU
+    args = ("--parallelism.pipeline_parallel_schedule", "DualPipeV", "--debug.deterministic", *two_rows,
+            *FULL_AC)  # FULL_AC last (0.3.0)
+    run = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v", *args, probe=True, nproc=4, steps=steps,
+                    env={"TITAN_DUALPIPE_TWO_BATCH": "1"}))
     assert FULL_AC_LOG in run.output and "run in two halves (two-batch overlap) on stages [3]" in run.output
     _assert_trains(run.losses(), steps)
     assert sorted(run.logged()) == [0, 1, 2, 3]
@@ -429,8 +432,7 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
         assert probe["two_batch_stages"] == ([3] if rank < 2 else [1, 2]), probe
         split = [key for key in lone_forwards(order[rank // 2]) if key[0] in probe["two_batch_stages"]]
         assert probe["halves"]["microbatches"] == len(split) * steps and probe["halves"]["hand_overs"] > 0, probe
-    whole = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v_whole", *args, probe=True, nproc=4, steps=steps,
-                      env={"TITAN_DUALPIPE_TWO_BATCH": "0"}))
+    whole = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v_whole", *args, probe=True, nproc=4, steps=steps))
     assert all(whole.probe(rank)["halves"]["microbatches"] == 0 for rank in range(4))
     _assert_close(run.losses(), whole.losses(), rel=1e-4)
     _assert_close(run.grad_norms(), whole.grad_norms(), rel=1e-4)
@@ -1381,11 +1383,16 @@ def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
         with pytest.raises(ValueError, match=re.escape(message)):
             bench._check(argparse.Namespace(**{**vars(args), **change}))
     ranks = [{"step_s": [9.0, 1.0, 2.0, 3.0], "exposed_s": [9.0, 0.5, 0.5, 0.5], "tokens_per_step": 100,
-              "peak_memory_bytes": 7},
+              "peak_memory_bytes": 7, "exposed_by_action": [{"pair": 9.0}] + [{"lone F": 0.4, "pair": 0.1}] * 3},
              {"step_s": [9.0, 1.5, 1.0, 3.5], "exposed_s": [9.0, 0.1, 0.3, 0.1], "tokens_per_step": 100,
-              "peak_memory_bytes": 9}]
+              "peak_memory_bytes": 9, "exposed_by_action": [{"pair": 9.0}] + [{"pair": 0.1}, {"pair": 0.3}, {"pair": 0.1}]}]
     figures = bench.summarize([ranks], warmup=1)
+    by_action = figures.pop("exposed_by_action")
     assert figures == pytest.approx({"step_time": 2.0, "tokens_per_s": 50.0, "peak_memory_bytes": 9, "exposed_comm": 0.3})
+    assert by_action == pytest.approx({"lone F": 0.2, "pair": 0.1})  # mean over ranks, median over steps
+    table = bench._exposed_by_action_table({"DualPipe": {"exposed_by_action": by_action}, "1F1B": {
+        "exposed_by_action": {"outside our actions": 0.5}}}, 22)
+    assert [line.split()[0] for line in table[3:]] == ["DualPipe"] and table[3].split()[1:3] == ["200", "0"]
     ranks[0]["phases"] = [{"schedule": 9.0}, {"schedule": 1.0, "compute": 0.5}, {"schedule": 2.0, "compute": 1.0},
                           {"schedule": 3.0, "compute": 1.5}]
     ranks[1]["phases"] = [{"schedule": 9.0}, {"schedule": 3.0, "clip": 0.2}, {"schedule": 4.0}, {"schedule": 5.0}]

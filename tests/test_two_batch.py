@@ -56,13 +56,14 @@ def test_join_halves_concatenates_and_refuses_outputs_without_the_batch():
 
 def test_schedule_option_is_checked():
     modules = {0: torch.nn.Linear(2, 2)}
-    assert two_batch_stages(None, True, modules) == set()  # no exchanges: nothing to hide
-    assert two_batch_stages(True, True, modules) == {0}
-    assert two_batch_stages(False, True, modules) == set()
-    with pytest.raises(ValueError, match="two_batch_overlap=True needs overlap=True"):
-        two_batch_stages(True, False, modules)
-    with pytest.raises(ValueError, match="must be True, False or None"):
-        two_batch_stages("yes", True, modules)
+    assert two_batch_stages(True, True, modules) == set()  # no exchanges: nothing to hide
+    assert two_batch_stages("all", True, modules) == {0}
+    assert two_batch_stages(False, True, modules) == two_batch_stages(False, False, modules) == set()
+    with pytest.raises(ValueError, match="two_batch_overlap='all' needs overlap=True"):
+        two_batch_stages("all", False, modules)
+    for bad in ("yes", None, 1):
+        with pytest.raises(ValueError, match=r"must be False, True \(stages with expert-parallel exchanges\) or 'all'"):
+            two_batch_stages(bad, True, modules)
 
 
 def test_lone_forwards_are_the_forwards_outside_pairs():

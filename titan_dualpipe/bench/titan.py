@@ -55,7 +55,7 @@ BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record;
 EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all
 CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold)
-TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1" / "0": two-batch overlap on / off (unset: automatic)
+TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
 COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "1": hand over between posting token counts and reading them
 
 
@@ -70,7 +70,7 @@ class Variant:
     fold_twins: bool = True
     count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
-    two_batch: bool | None = None  # None: our schedules' default (on for MoE stages under expert parallelism)
+    two_batch: bool = False  # True: lone forwards of MoE stages run in halves (needs microbatches of >= 2 rows)
 
 
 VARIANTS = (
@@ -80,16 +80,17 @@ VARIANTS = (
     Variant("torch DualPipeV", "TorchDualPipeV", overlap=False),  # torchtitan's overlap callback is GPU-only
     Variant("DualPipeV", "DualPipeV", overlap=True),
     Variant("DualPipeV sequential", "DualPipeV", overlap=False),
-    Variant("DualPipeV no two-batch", "DualPipeV", overlap=True, two_batch=False),
+    Variant("DualPipeV two-batch", "DualPipeV", overlap=True, two_batch=True),
     Variant("DualPipe", "DualPipe", overlap=True),
     Variant("DualPipe sequential", "DualPipe", overlap=False),
-    Variant("DualPipe no two-batch", "DualPipe", overlap=True, two_batch=False),
+    Variant("DualPipe two-batch", "DualPipe", overlap=True, two_batch=True),
     Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
     Variant("DualPipeV counts handed over", "DualPipeV", overlap=True, count_hand_over=True),
     Variant("DualPipe counts handed over", "DualPipe", overlap=True, count_hand_over=True),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
-DEFAULT_LABELS = [v.label for v in VARIANTS if not v.count_hand_over]  # the others are comparison runs, on request
+# the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
+DEFAULT_LABELS = [v.label for v in VARIANTS if not (v.count_hand_over or v.two_batch)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -197,7 +198,7 @@ class Launcher:
         argv += list(COMPILE_OVERRIDES) if variant.compiled else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
-               TWO_BATCH_ENV: {None: "", True: "1", False: "0"}[variant.two_batch]}
+               TWO_BATCH_ENV: "1" if variant.two_batch else "0"}
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})
@@ -224,16 +225,22 @@ def block_seconds(records: list[dict]) -> float:
 def summarize(runs: list[list[dict]], warmup: int) -> dict[str, float]:
     """One schedule's figures from its runs (each a list of per-rank records)."""
     step_s, exposed_s = [], []
+    kinds = {kind for records in runs for r in records for step in r["exposed_by_action"] for kind in step}
+    by_kind: dict[str, list[float]] = {kind: [] for kind in sorted(kinds)}
     for records in runs:
         for step in range(warmup, len(records[0]["step_s"])):
             step_s.append(max(r["step_s"][step] for r in records))
             exposed_s.append(statistics.mean(r["exposed_s"][step] for r in records))
+            for kind, values in by_kind.items():
+                values.append(statistics.mean(r["exposed_by_action"][step].get(kind, 0.0) for r in records))
     step_time = statistics.median(step_s)
     return {
         "step_time": step_time,
         "tokens_per_s": runs[0][0]["tokens_per_step"] / step_time,
         "peak_memory_bytes": max(r["peak_memory_bytes"] for records in runs for r in records),
         "exposed_comm": statistics.median(exposed_s),
+        # seconds per step by the kind of our action the wait fell in (mean over ranks, median over steps)
+        "exposed_by_action": {kind: statistics.median(values) for kind, values in by_kind.items()},
     }
 
 
@@ -306,7 +313,23 @@ def format_table(result: dict[str, Any]) -> str:
     for label, phases in result.get("phases", {}).items():
         lines.append(f"{label:<{width}}" + "".join(f"{phases[p] * 1e3:>12.0f}" if p in phases else f"{'-':>12}"
                                               for p in PHASES))
-    return "\n".join(lines)
+    return "\n".join(lines + _exposed_by_action_table(schedules, width))
+
+
+EXPOSED_KINDS = ("lone F", "lone B", "lone I", "W", "pair", "outside our actions")
+
+
+def _exposed_by_action_table(schedules: dict[str, dict[str, Any]], width: int) -> list[str]:
+    """Where our schedules leave the all-to-all exposed: ms per step by action kind."""
+    ours = {label: s["exposed_by_action"] for label, s in schedules.items()
+            if set(s.get("exposed_by_action", {})) - {EXPOSED_KINDS[-1]}}
+    if not ours:
+        return []
+    lines = ["", "exposed all-to-all by the kind of action it falls in, ms per step, mean over ranks (our schedules)",
+             f"{'schedule':<{width}}" + "".join(f"{kind:>12}" for kind in EXPOSED_KINDS[:-1]) + f"{'outside':>12}"]
+    for label, by_kind in ours.items():
+        lines.append(f"{label:<{width}}" + "".join(f"{by_kind.get(kind, 0.0) * 1e3:>12.0f}" for kind in EXPOSED_KINDS))
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

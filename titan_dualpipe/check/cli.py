@@ -91,7 +91,8 @@ class Outcome:
 
 def cases_for(world: int, compile_backend: str | None = None) -> list[Case]:
     """Every layout of N processes: DualPipeV on each pp dividing N, DualPipe on each even one;
-    with ``compile_backend``, each schedule's deepest layout again with its blocks compiled in
+    each schedule's deepest layout again with deferred receives and sequential pairs, and with
+    two-batch overlap; with ``compile_backend``, each schedule's deepest layout again with its blocks compiled in
     place (against the reference compiled the same way)."""
     cases: list[Case] = []
     for schedule in ("DualPipeV", "DualPipe"):
@@ -103,6 +104,9 @@ def cases_for(world: int, compile_backend: str | None = None) -> list[Case]:
             pp = pps[-1]
             cases.append(Case(schedule, pp, world // pp, 2 * pp + 2,
                               (("defer_pp_recv", True), ("overlap", False))))
+        if pps:  # lone forwards (and their lone backwards) on two halves of the microbatch
+            pp = pps[-1]
+            cases.append(Case(schedule, pp, world // pp, 2 * pp + 2, (("two_batch_overlap", "all"),)))
         if pps and compile_backend:
             pp = pps[-1]
             cases.append(Case(schedule, pp, world // pp, 2 * pp + 2, (("compile_backend", compile_backend),)))

@@ -7,11 +7,14 @@ run one way: orders -> runtime -> overlap).
 
 The schedule option ``two_batch_overlap``:
 
-- ``None`` (default): on for stage modules with expert-parallel exchanges (a rule registered
-  with :func:`register_exchange_rule` says so: our MoE module, torchtitan's MoE under expert
-  parallelism), when ``overlap`` is on. Elsewhere splitting has nothing to hide and only makes
-  the matrix products smaller.
-- ``True``: on for every stage (needs ``overlap=True``); ``False``: off.
+- ``False`` (default): off. Halves pay each op's fixed costs twice and a second latency per
+  exchange; on the CPU benchmarks here that outweighed what they hide (README, Benchmarks).
+- ``True``: stages whose module posts expert-parallel exchanges (a rule registered with
+  :func:`register_exchange_rule` says so: our MoE module, torchtitan's MoE under expert
+  parallelism); elsewhere splitting has nothing to hide.
+- ``"all"``: every stage (to measure or test the mechanism on any model).
+
+Both need ``overlap=True`` (the halves run as a relay or through the module's protocol).
 
 A microbatch whose batch dimension is 1 cannot be split and runs whole.
 """
@@ -41,16 +44,17 @@ def has_exchanges(module: torch.nn.Module) -> bool:
     return any(rule(module) for rule in _exchange_rules)
 
 
-def two_batch_stages(option: bool | None, overlap: bool, modules: dict[int, torch.nn.Module]) -> set[int]:
+def two_batch_stages(option: bool | str, overlap: bool, modules: dict[int, torch.nn.Module]) -> set[int]:
     """The stages (of ``{stage index: module}``) whose lone microbatches run in halves."""
-    if option is not None and not isinstance(option, bool):
-        raise ValueError(f"two_batch_overlap must be True, False or None (automatic), got {option!r}")
-    if option and not overlap:
-        raise ValueError("two_batch_overlap=True needs overlap=True: its halves run as a relay; "
-                         "pass overlap=True, or two_batch_overlap=False")
-    if option is False or not overlap:
+    if option not in (False, True, "all") or not isinstance(option, (bool, str)):
+        raise ValueError(f"two_batch_overlap must be False, True (stages with expert-parallel exchanges) or "
+                         f"'all' (every stage), got {option!r}")
+    if option is False:
         return set()
-    return {s for s, module in modules.items() if option or has_exchanges(module)}
+    if not overlap:
+        raise ValueError(f"two_batch_overlap={option!r} needs overlap=True: its halves run as a relay; "
+                         "pass overlap=True, or two_batch_overlap=False")
+    return {s for s, module in modules.items() if option == "all" or has_exchanges(module)}
 
 
 class HalvesRunner(Protocol):

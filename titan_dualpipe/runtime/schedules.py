@@ -70,10 +70,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
 
     - ``overlap`` (default True): run overlapped pairs with overlap (see
       :mod:`titan_dualpipe.overlap`); False runs each pair's halves one after the other.
-    - ``two_batch_overlap`` (default None: on for stages with expert-parallel exchanges when
-      ``overlap`` is on): run each forward that has no pair partner on two halves of its
-      microbatch, relayed like a pair, so each half's exchanges hide behind the other half's
-      compute (:mod:`titan_dualpipe.overlap.halves`); True for every stage, False off.
+    - ``two_batch_overlap`` (default False): True runs each forward that has no pair partner on
+      two halves of its microbatch, relayed like a pair, so each half's exchanges hide behind the
+      other half's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage
+      (:mod:`titan_dualpipe.runtime.halves`, :mod:`titan_dualpipe.overlap.halves`).
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -96,7 +96,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         defer_pp_recv: bool = False,
         *,
         overlap: bool = True,
-        two_batch_overlap: bool | None = None,
+        two_batch_overlap: bool | str = False,
         record_timeline: bool = False,
     ) -> None:
         modules = {s.stage_index: s.submod for s in stages} if isinstance(stages, (list, tuple)) else {}

@@ -18,8 +18,8 @@ simulated bubble next to the one the same costs would give with the eager split'
 of the backward (sampled on an uncompiled copy of a stage). One more step, under torch's
 profiler, counts the compiled backward calls each action kind ran (W: none).
 
-``--two-batch`` builds the schedule with ``two_batch_overlap=True`` (TinyLM posts no
-exchanges, so the automatic default leaves it off): every lone forward runs its microbatch
+``--two-batch`` builds the schedule with ``two_batch_overlap="all"`` (TinyLM posts no
+exchanges, so ``True`` would split none of its stages): every lone forward runs its microbatch
 (``ROWS_PER_MICROBATCH`` rows) as two halves, and so does its backward where that is lone too
 (:mod:`titan_dualpipe.sim.two_batch` names the actions, from the order, and the timeline marks
 them). Their median times become ``F2`` and ``B2`` (the action that ran the whole backward:
@@ -70,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--no-overlap", action="store_true", help="run pairs sequentially")
     p.add_argument("--two-batch", action="store_true",
-                   help="two_batch_overlap=True: lone forwards and their lone backwards on two halves of the "
+                   help="two_batch_overlap='all': lone forwards and their lone backwards on two halves of the "
                         "microbatch; their medians are the costs F2 and B2, simulated with two-batch overlap")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block in place first (backward whole at I, W a no-op: W=0)")
@@ -127,7 +127,7 @@ def _measure(cfg: dict) -> dict:
               for s in place.stages_of(rank)]
     cls = ScheduleDualPipe if place.bidirectional else ScheduleDualPipeV
     schedule = cls(stages, place.n_microbatches, loss_fn=lm_loss, record_timeline=True, overlap=cfg["overlap"],
-                   two_batch_overlap=True if cfg["two_batch"] else None)
+                   two_batch_overlap="all" if cfg["two_batch"] else False)
     rows = ROWS_PER_MICROBATCH
     x = torch.randint(0, 512, (rows * place.n_microbatches, cfg["seq"]))
     feeds = place.feeds_batch(rank)

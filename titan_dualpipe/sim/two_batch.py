@@ -1,7 +1,7 @@
 """Two-batch overlap in the simulator: which actions run on two halves, and what they cost.
 
 Which microbatches split comes from :mod:`titan_dualpipe.orders.two_batch`, the rule the
-runtime applies; the simulator models ``two_batch_overlap=True`` (every stage splits). As the
+runtime applies; the simulator models ``two_batch_overlap="all"`` (every stage splits). As the
 runtime runs them:
 
 - a lone forward of a split microbatch costs ``F2``;

@@ -7,7 +7,9 @@ Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the run
   route it there anyway), so each exchange can cost an emulated network time
   (``EXCHANGE_S_ENV`` seconds, CPU only) and the time it leaves exposed is counted the same way
   for every schedule;
-- ``Trainer.train_step`` is timed, with the exposed exchange time of each step;
+- ``Trainer.train_step`` is timed, with the exposed exchange time of each step, in all and by
+  the kind of our action it falls in (lone F, lone B, lone I, W, pair; torch's schedules: all
+  outside our actions);
 - with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
   (the compute an exchange is compared with: ``--comm-ratio``);
 - each step is split into phases (seconds on this rank; on a GPU measured with CUDA events on
@@ -44,6 +46,7 @@ class _Record:
         self.block_forward_s: list[float] = []
         self.block_backward_s: list[float] = []
         self.phases: list[dict[str, float]] = []  # per step
+        self.exposed_by_action: list[dict[str, float]] = []  # per step: exposed seconds by action kind
         self.tokens_per_step = 0
 
 
@@ -83,6 +86,10 @@ ACTION_PHASES = {"FORWARD": "compute", "FULL_BACKWARD": "compute", "BACKWARD_INP
 
 
 STEP, EXPOSED = "step", "exposed"  # spans besides the phases: the whole train step, exchange waits
+# our executor's compute actions -> the kind an exchange wait inside one is charged to
+ACTION_KINDS = {"FORWARD": "lone F", "FULL_BACKWARD": "lone B", "BACKWARD_INPUT": "lone I",
+                "BACKWARD_WEIGHT": "W", "OVERLAP_F_B": "pair"}
+OUTSIDE = "outside our actions"  # torch's executor, or between our actions
 
 
 class _PhaseClock:
@@ -93,6 +100,7 @@ class _PhaseClock:
     def __init__(self) -> None:
         self.clock: StepClock = CpuClock()
         self.spans: list[tuple[str, Any, Any]] = []
+        self.action_kind: str | None = None  # the ACTION_KINDS entry of our compute action running now
 
     def start_step(self, device: Any) -> None:
         self.clock, self.spans = clock_for(device), []
@@ -117,16 +125,20 @@ class _PhaseClock:
 
 
 def _time_exposed(stats: Any, clock: _PhaseClock) -> None:
-    """Time every exchange wait on the step's clock: on a GPU the wait only makes the compute
+    """Time every exchange wait on the step's clock, charged to the kind of our action it falls
+    in (a relay's helper thread waits inside its pair): on a GPU the wait only makes the compute
     stream wait, so the exposed time is that stream's stall, not the host's time in the call."""
-    stats.wait_until = clock.timed(EXPOSED, stats.wait_until)
+    stats.wait_until = clock.timed(lambda *_: f"{EXPOSED}:{clock.action_kind or OUTSIDE}", stats.wait_until)
 
 
 def _record_step(record: _Record, totals: Counter[str]) -> None:
-    """The step's time, its exposed exchange time and its phases (``other``: the rest of the step)."""
+    """The step's time, its exposed exchange time (in all and by action kind) and its phases
+    (``other``: the rest of the step)."""
     step = totals.pop(STEP)
     record.step_s.append(step)
-    record.exposed_s.append(totals.pop(EXPOSED, 0.0))
+    exposed = {key.split(":", 1)[1]: totals.pop(key) for key in list(totals) if key.startswith(EXPOSED + ":")}
+    record.exposed_s.append(sum(exposed.values()))
+    record.exposed_by_action.append(exposed)
     phases = dict(totals)
     phases["other"] = step - sum(phases.get(k, 0.0) for k in ("schedule", "clip", "optimizer"))
     record.phases.append(phases)
@@ -151,8 +163,17 @@ def _time_phases(trainer: Any, clock: _PhaseClock) -> None:
         schedule.step = clock.timed("schedule", schedule.step)
     trainer.optimizers.step = clock.timed("optimizer", trainer.optimizers.step)
     dist_utils.clip_grad_norm_ = clock.timed("clip", dist_utils.clip_grad_norm_)
+    perform = StepExecutor._perform
+
+    def perform_noting_kind(self: Any, action: Any) -> None:
+        previous, clock.action_kind = clock.action_kind, ACTION_KINDS.get(action.computation_type.name)
+        try:
+            perform(self, action)
+        finally:
+            clock.action_kind = previous
+
     StepExecutor._perform = clock.timed(lambda _self, action: ACTION_PHASES.get(action.computation_type.name, "p2p"),
-                                        StepExecutor._perform)
+                                        perform_noting_kind)
     ScheduleDualPipe._after_step = clock.timed("twin_sum", ScheduleDualPipe._after_step)
 
 

@@ -157,15 +157,15 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     return schedule
 
 
-def two_batch_option() -> bool | None:
+def two_batch_option() -> bool:
     """Our schedules' ``two_batch_overlap`` from the environment (no config key in torchtitan 0.2.2):
-    ``TITAN_DUALPIPE_TWO_BATCH=1`` / ``0``, unset or empty for the default."""
+    ``TITAN_DUALPIPE_TWO_BATCH=1`` splits the lone microbatches of the MoE stages; ``0`` or unset: off."""
     from ..bench.titan import TWO_BATCH_ENV
 
     value = os.environ.get(TWO_BATCH_ENV, "")
     if value not in ("", "0", "1"):
-        raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on), 0 (off) or leave it unset (automatic)")
-    return None if value == "" else value == "1"
+        raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on) or 0 (off, the default)")
+    return value == "1"
 
 
 def _two_batch_note(schedule: Any, par: Any) -> str:
