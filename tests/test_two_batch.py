@@ -71,3 +71,22 @@ def test_lone_forwards_are_the_forwards_outside_pairs():
     order = [_Action(0, F, 0), _Action(0, F, 1), pair, None]
     assert lone_forwards(order) == {(0, 0), (0, 1)}
     assert paired_backwards(order) == {(2, 0)}
+
+
+def test_the_record_keeps_no_half_output_alive():
+    """The concatenation saves nothing for its backward: the record holds the halves' outputs by
+    their place in the graph, so only the joined stage output stays in memory."""
+    import gc
+    import weakref
+
+    from torch.autograd.graph import GradientEdge
+
+    x = torch.ones(3, 4, requires_grad=True)
+    a, b = x[:2] * 2, x[2:] * 3
+    alive = weakref.ref(a)
+    joined, record = join_halves([a, b], [2, 1])
+    del a, b
+    gc.collect()
+    assert alive() is None and all(isinstance(root, GradientEdge) for half in record.halves for root in half)
+    torch.autograd.backward(record.halves[0] + record.halves[1], list(torch.ones_like(joined).split([2, 1])))
+    assert torch.equal(x.grad, torch.tensor([[2.0] * 4, [2.0] * 4, [3.0] * 4]))

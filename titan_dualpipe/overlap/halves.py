@@ -36,7 +36,6 @@ instead would not give independent halves (attention reads the whole sequence).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,8 +50,8 @@ from ..runtime.halves import register_halves_runner
 from .comm import warn_once_if_exchange_traced
 from .protocol import halves_implementation
 from .relay import run_relayed
+from .segments import Root, root_of
 
-logger = logging.getLogger("titan_dualpipe")
 HalfInputs = tuple[tuple, dict]
 
 
@@ -62,7 +61,9 @@ class SplitMicrobatch:
 
     sizes: list[int]  # rows of each half
     joined: list[torch.Tensor]  # the stage output's tensors (the halves' outputs concatenated)
-    halves: tuple[list[torch.Tensor], list[torch.Tensor]]  # each half's output tensors, as joined
+    # each half's output tensors, as joined, by their place in the graph (``root_of``): the
+    # concatenation saves nothing, so holding the tensors would keep a second stage output alive
+    halves: tuple[list[Root], list[Root]]
 
 
 def split_batch(args: tuple, kwargs: dict) -> tuple[list[int], list[HalfInputs]] | None:
@@ -115,7 +116,8 @@ def join_halves(outputs: list[Any], sizes: list[int]) -> tuple[Any, SplitMicroba
                 "joined: pass two_batch_overlap=False to the schedule")
         joined.append(torch.cat([a, b]))
     tensors = [i for i, t in enumerate(joined) if isinstance(t, torch.Tensor)]
-    record = SplitMicrobatch(sizes, [joined[i] for i in tensors], ([first[i] for i in tensors], [second[i] for i in tensors]))
+    record = SplitMicrobatch(sizes, [joined[i] for i in tensors],
+                             ([root_of(first[i]) for i in tensors], [root_of(second[i]) for i in tensors]))
     return tree_unflatten(joined, spec), record
 
 

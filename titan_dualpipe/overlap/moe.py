@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import checkpoint
 
 from ..runtime.halves import register_exchange_rule
@@ -353,7 +353,7 @@ class MoETransformer(nn.Module):
 
     # -- backward ----------------------------------------------------------------------------
     def backward_steps(
-        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
+        self, outputs: Sequence[Root], grads: Sequence[torch.Tensor | None] | None
     ) -> Step[None]:
         """``torch.autograd.backward(outputs, grads)`` for outputs of this module's forward
         (the stage output, or a loss computed from it), one segment at a time."""
@@ -428,9 +428,11 @@ def _release(ref: weakref.ref) -> None:
         record.release()
 
 
-def _find_record(outputs: Sequence[torch.Tensor], limit: int = 10_000) -> tuple[Node, StageRecord]:
-    """The record of the forward these outputs (or a loss computed from them) come from."""
-    queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
+def _find_record(outputs: Sequence[Root], limit: int = 10_000) -> tuple[Node, StageRecord]:
+    """The record of the forward these outputs (or a loss computed from them, or their
+    :func:`~titan_dualpipe.overlap.segments.root_of` edges) come from."""
+    queue = [t.node if isinstance(t, GradientEdge) else t.grad_fn for t in outputs]
+    queue = [node for node in queue if node is not None]
     seen: dict[int, Node] = {}  # holds the nodes too: a freed node object's id may be reused
     while queue and len(seen) < limit:
         node = queue.pop(0)
