@@ -482,11 +482,14 @@ def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
     assert 0 < result["exchange_s"] == pytest.approx(result["block_compute_s"] / 4)
     tokens_per_step = 4 * 64 * 2  # local batch x sequence x data-parallel replicas
     for label, figures in result["schedules"].items():
-        assert set(figures) == {"step_time", "tokens_per_s", "peak_memory_bytes", "exposed_comm"}, label
+        assert set(figures) == {"step_time", "tokens_per_s", "peak_memory_bytes", "exposed_comm", "exposed_by_action"}
         assert figures["tokens_per_s"] == pytest.approx(tokens_per_step / figures["step_time"])
         assert figures["peak_memory_bytes"] > 2**20 and figures["step_time"] > 0, (label, figures)
     for label in ("1F1B", "torch DualPipeV"):  # sequential: every exchange waits out its cost
         assert result["schedules"][label]["exposed_comm"] > result["exchange_s"], (label, result)
+        assert set(result["schedules"][label]["exposed_by_action"]) == {"outside our actions"}  # torch's executor
+    ours = result["schedules"]["DualPipe"]["exposed_by_action"]  # every wait falls in one of our actions
+    assert ours and set(ours) <= {"lone F", "lone B", "lone I", "W", "pair"} and ours.get("pair", 0) > 0, ours
     phases = result["phases"]
     assert "compute" not in phases["1F1B"] and phases["1F1B"]["schedule"] > 0  # torch's executor: not split
     assert phases["DualPipe"]["compute"] > 0 and phases["DualPipe"]["fsdp_reduce"] > 0, phases["DualPipe"]
