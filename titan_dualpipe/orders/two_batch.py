@@ -16,13 +16,13 @@ from __future__ import annotations
 from .._compat import F, OVERLAP_F_B, _Action
 
 
-def lone_forwards(actions: list[_Action]) -> set[tuple[int, int]]:
+def lone_forwards(actions: list[_Action | None]) -> set[tuple[int, int]]:
     """``(stage, microbatch)`` of every forward in one rank's order that is not half of a pair."""
     return {(a.stage_index, a.microbatch_index) for a in actions
             if a is not None and a.computation_type == F}
 
 
-def paired_backwards(actions: list[_Action]) -> set[tuple[int, int]]:
+def paired_backwards(actions: list[_Action | None]) -> set[tuple[int, int]]:
     """``(stage, microbatch)`` of every backward in one rank's order that runs in a pair."""
     return {(b.stage_index, b.microbatch_index) for a in actions
             if a is not None and a.computation_type == OVERLAP_F_B for b in a.sub_actions[1:]}

@@ -79,8 +79,8 @@ class CommStats:
     gpu_stalls: list = field(default_factory=list)  # (start, end) CUDA events around compute-stream waits
 
     def reset(self) -> None:
-        self.posted, self.charged_forward, self.charged_backward, self.waited_s = 0, 0, 0, 0.0
-        self.charged_bytes = 0
+        self.posted, self.charged_forward, self.charged_backward, self.charged_bytes = 0, 0, 0, 0
+        self.waited_s = 0.0
         self.gpu_stalls.clear()
 
     def charge(self, backward: bool, remote_bytes: int = 0) -> None:

@@ -10,8 +10,9 @@ torchtitan's names: ``tok_embeddings`` (first part), ``layers.<i>``, ``norm`` an
 Experts are split over an expert-parallel group (:func:`expert_parallel`): each rank
 keeps ``num_experts / ep`` of them. Routing uses a fixed capacity per (sequence, expert)
 (GShard's routing groups), so every all-to-all has a static size and a sequence routes the
-same in any batch; tokens over capacity are dropped (they keep their residual). A plain ``module(x)`` + ``loss.backward()`` works and is the
-reference; the exchanges are autograd functions there.
+same in any batch; tokens over capacity are dropped (they keep their residual). A plain
+``module(x)`` + ``loss.backward()`` works and is the reference; the exchanges are autograd
+functions there.
 
 Overlap. A block's forward is cut into three segments at its two exchanges
 (``attention``: attention + router + dispatch packing, ``experts``, ``combine``), each a

@@ -59,7 +59,6 @@ def overlap_implementation(forward_module: nn.Module, backward_module: nn.Module
     return getattr(cls, "overlapped_forward_backward", None)
 
 
-@runtime_checkable
 class OverlappedHalves(Protocol):
     """Two-batch overlap provided by the stage module (:mod:`~titan_dualpipe.overlap.halves`):
     one lone microbatch's two halves, interleaved at the module's exchanges. Modules without it
