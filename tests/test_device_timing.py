@@ -12,12 +12,15 @@ from __future__ import annotations
 import time
 import types
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_pool import one_rank_process_group
+from titan_dualpipe._compat import wait_collective
+from titan_dualpipe.overlap import comm
 from titan_dualpipe.runtime import executor as executor_module
 from titan_dualpipe.runtime import timeline
 from titan_dualpipe.runtime.timeline import CpuClock, CudaClock, clock_for, span_seconds
@@ -27,12 +30,14 @@ TICK_MS = 250.0  # GPU time between two consecutive recorded fake events
 
 
 class _Gpu:
-    """A fake device: the events recorded so far, synchronizations, the current stream."""
+    """A fake device: the events recorded so far, synchronizations, the current stream, and GPU
+    time spent waiting besides the ticks (``stalled_ms``)."""
 
     def __init__(self) -> None:
         self.recorded = 0
         self.syncs = 0
         self.stream = object()
+        self.stalled_ms = 0.0
 
 
 class _FakeEvent:
@@ -45,7 +50,7 @@ class _FakeEvent:
 
     def record(self, stream: object = None) -> None:
         assert stream is self.gpu.stream, "events go on the current stream"
-        self.at_ms = self.gpu.recorded * TICK_MS
+        self.at_ms = self.gpu.recorded * TICK_MS + self.gpu.stalled_ms
         self.gpu.recorded += 1
 
     def elapsed_time(self, end: "_FakeEvent") -> float:
@@ -217,3 +222,82 @@ def test_bench_titan_takes_the_trainers_device():
     assert bench_probe._device(types.SimpleNamespace(device=torch.device("cuda", 3))) == torch.device("cuda", 3)
     part = torch.nn.Linear(2, 2)
     assert bench_probe._device(types.SimpleNamespace(model_parts=[part])) == torch.device("cpu")
+
+
+# -- bench titan: the token-count exchange's stall ------------------------------------------------
+STALL_MS = 1000.0  # device time the counts take to arrive once the compute stream reaches their read
+
+
+class _Counts(torch.Tensor):
+    """Token counts a count exchange fills. ``arrive`` runs once, at the first operation the
+    caller must wait at for them (a GPU: the host's first read, which copies them to the host;
+    the CPU: the collective's wait)."""
+
+    arrive_on: tuple[str, ...] = ()
+    arrive: Any = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.arrive_on and cls.arrive is not None:
+            arrive, cls.arrive = cls.arrive, None
+            arrive()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _dispatch_reads_counts(counts: torch.Tensor) -> list[int]:
+    """torchtitan's dispatch: post the count exchange, then wait for it and read the splits on the
+    host at once (0.2.2 ``ExpertParallel._token_dispatch``, 0.3.0 ``_sync_token_count_exchange``)."""
+    received = comm.count_exchange(lambda: counts, group=None)
+    received = wait_collective(received)
+    return received.view(2, -1).sum(dim=1).to(torch.device("cpu"), non_blocking=False).tolist()
+
+
+def _probe_count_step(clock: bench_probe._PhaseClock, device: str) -> tuple[bench_probe._Record, list[int]]:
+    """One train step whose pipeline step reads a token-count exchange, under bench titan's probe."""
+    cost = comm.RelayedExchangeCost(0.0)  # what bench titan installs on a GPU (--comm-ratio 0)
+    bench_probe._time_exposed(cost.stats, clock)
+    counts = torch.tensor([[1, 2], [3, 4]]).as_subclass(_Counts)
+    splits: list[int] = []
+    record = bench_probe._Record()
+    schedule = clock.timed("schedule", lambda: splits.extend(_dispatch_reads_counts(counts)))
+    clock.start_step(device)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(comm, "_RELAYED_COST", cost)
+        clock.timed(bench_probe.STEP, schedule)()
+    bench_probe._record_step(record, clock.totals())
+    return record, splits
+
+
+def test_bench_titan_charges_the_count_exchange_stall_on_a_gpu(fake_gpu, monkeypatch):
+    """On a GPU the counts arrive while the host blocks in their read (the stream's wait for the
+    collective, then the device-to-host copy): that stall is exposed communication, inside the
+    exposed span's events, not after them."""
+    def arrive() -> None:
+        fake_gpu.stalled_ms += STALL_MS
+
+    clock = bench_probe._PhaseClock()
+    monkeypatch.setattr(_Counts, "arrive_on", ("to", "cpu", "tolist", "item"))
+    monkeypatch.setattr(_Counts, "arrive", arrive)
+    monkeypatch.setattr(timeline, "time", types.SimpleNamespace(perf_counter=_no_host_clock))
+    record, splits = _probe_count_step(clock, "cuda:0")
+    assert splits == [3, 7] and _Counts.arrive is None
+    # events: clock start, step start, schedule start, exposed start, (stall) exposed end,
+    # schedule end, step end
+    tick, stall = TICK_MS / 1e3, STALL_MS / 1e3
+    assert record.exposed_s == [pytest.approx(tick + stall)]
+    assert record.exposed_by_action == [pytest.approx({bench_probe.OUTSIDE: tick + stall})]
+    assert record.step_s == [pytest.approx(5 * tick + stall)]  # the stall counted once
+    assert fake_gpu.syncs == 1
+
+
+def test_bench_titan_charges_the_count_exchange_wait_on_the_cpu(fake_gpu, monkeypatch):
+    """On the CPU the same read waits in the collective's wait: on the host clock, inside the
+    exposed span too."""
+    wait_s = 0.05
+    monkeypatch.setattr(_Counts, "arrive_on", ("wait_tensor",))
+    monkeypatch.setattr(_Counts, "arrive", lambda: time.sleep(wait_s))
+    record, splits = _probe_count_step(bench_probe._PhaseClock(), "cpu")
+    assert splits == [3, 7] and _Counts.arrive is None
+    [step], [exposed] = record.step_s, record.exposed_s
+    assert wait_s <= exposed <= step < wait_s + 0.04
+    assert (fake_gpu.recorded, fake_gpu.syncs) == (0, 0)

@@ -25,6 +25,10 @@ counts, right after posting them as torchtitan does, waits only for the exchange
 it on the group. ``... counts handed over`` (on request) hands over to the partner half between
 posting and reading them, for comparison (:mod:`titan_dualpipe.titan.expert_overlap`).
 
+The count exchange's wait counts as exposed on both devices alike: the wait for the counts and
+their copy to the host, which torchtitan's dispatch does at once (on a GPU the host blocks there
+while the compute stream waits for the exchange; the CUDA events around it hold that stall).
+
 ``--compile`` adds each schedule compiled (torchtitan's ``compile.enable`` with ``"model"`` and
 ``"loss"``: each transformer block compiled in place, inductor) next to it in every round, and
 the table gives its step time against the eager run's (``vs eager``: eager s/step over compiled

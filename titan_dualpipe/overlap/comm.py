@@ -342,10 +342,12 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
 
 def count_exchange(post: Callable[[], T], group: Any) -> T:
     """``post()`` (an expert-parallel token-count exchange on ``group``, which the caller reads
-    right after) as the emulated network sees it: ready no earlier than the exchanges posted before
-    it on ``group``, the wait counted as exposed; with ``count_hand_over`` (a comparison run) a
+    on the host right after) as the emulated network sees it: ready no earlier than the exchanges
+    posted before it on ``group``; the wait for the counts, their copy to the host included
+    (:func:`_counts_on_host`), counted as exposed. With ``count_hand_over`` (a comparison run) a
     hand-over to the partner half comes between posting and that wait. Without an emulated
-    network, ``post()`` alone. Returns ``post()``'s result."""
+    network, ``post()`` alone. Returns the counts, waited for (the caller's own wait and read
+    then find them there)."""
     cost = _RELAYED_COST
     posted = post()
     if cost is None:
@@ -353,8 +355,17 @@ def count_exchange(post: Callable[[], T], group: Any) -> T:
     ready_at = cost.ready_at(group, time.perf_counter())
     if cost.count_hand_over:
         hand_over()
-    cost.stats.wait_until(ready_at, lambda: None)
-    return posted
+    return cost.stats.wait_until(ready_at, lambda: _counts_on_host(posted))
+
+
+def _counts_on_host(counts: T) -> T:
+    """Wait for a count exchange and copy its counts to the host, as the caller's read does at
+    once. On a GPU this is where the exchange stalls: the compute stream waits for the
+    collective, then the host blocks on the device-to-host copy, so a span around it on the
+    compute stream (CUDA events) holds the stall, as the host clock does on the CPU."""
+    waited = wait_collective(counts)
+    waited.to("cpu")  # blocking; the caller's own copy of the same counts then finds them arrived
+    return waited
 
 
 def relayed_all_to_all_single(
