@@ -188,7 +188,8 @@ def test_checkpointed_dropout_under_the_relay_is_bitwise_equal_to_sequential_hal
 
 
 def test_an_initialized_accelerators_generators_are_switched_per_half_too(monkeypatch):
-    """The per-device generators (CUDA's, here a stand-in module) follow the halves like CPU's."""
+    """The per-device generators (CUDA's, here a stand-in module) follow the halves like CPU's: the
+    forward half draws what it draws alone, the backward half from a stream of its own."""
     device_generator = torch.Generator()
 
     class Accelerator:
@@ -207,7 +208,8 @@ def test_an_initialized_accelerators_generators_are_switched_per_half_too(monkey
         draws["F"].append(torch.rand(4, generator=device_generator))
 
     def backward() -> None:
-        draws["B"] = torch.rand(4, generator=device_generator)  # from the forward's state at the hand-over
+        draws["B start"] = device_generator.get_state()
+        draws["B"] = torch.rand(4, generator=device_generator)
         hand_over()
 
     device_generator.manual_seed(1)
@@ -216,5 +218,118 @@ def test_an_initialized_accelerators_generators_are_switched_per_half_too(monkey
     device_generator.manual_seed(1)
     assert run_relayed(forward, backward).hand_overs == 2
     assert all(torch.equal(got, w) for got, w in zip(draws["F"], want, strict=True))
-    assert torch.equal(draws["B"], want[1])  # documented: it repeats the forward's later draws
+    assert not any(torch.equal(draws["B"], w) for w in want)  # before: it repeated the forward's second draw
     assert torch.equal(device_generator.get_state(), want_end)  # the pair ends where the forward ended
+    alone = torch.Generator()
+    alone.set_state(draws["B start"])
+    assert torch.equal(draws["B"], torch.rand(4, generator=alone))
+
+
+def _backward_draws(seed: int, forward_draws: int) -> torch.Tensor:
+    """What a pair's backward half draws when the pair starts at ``seed`` and its forward draws
+    ``forward_draws`` numbers before handing over."""
+    got: list = []
+
+    def forward() -> None:
+        torch.rand(forward_draws)
+        hand_over()
+
+    torch.manual_seed(seed)
+    run_relayed(forward, lambda: got.append(torch.rand(8)))
+    return got[0]
+
+
+def test_the_backward_halfs_stream_is_seeded_by_the_state_the_pair_starts_from():
+    """Its stream depends on the generators' state at the pair's start only: not on what the forward
+    drew before handing over (the first half's first exchange may come anywhere), and it differs
+    between pairs that start from different states."""
+    first = _backward_draws(seed=0, forward_draws=3)
+    assert torch.equal(first, _backward_draws(seed=0, forward_draws=5))
+    assert not torch.equal(first, _backward_draws(seed=1, forward_draws=3))
+    torch.manual_seed(0)
+    assert not torch.equal(first, torch.rand(11)[3:])  # none of the forward's stream
+
+
+def test_backward_half_runs_in_the_callers_autocast_and_inference_mode():
+    seen: list = []
+    a = torch.ones(2, 2)
+
+    def backward() -> None:
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), (a @ a).dtype,
+                     torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run_relayed(hand_over, backward)
+    with torch.inference_mode():
+        run_relayed(hand_over, backward)
+    run_relayed(hand_over, backward)  # the helper thread's own state is back
+    assert seen == [(True, torch.bfloat16, torch.bfloat16, False, True),
+                    (False, torch.bfloat16, torch.float32, True, False),
+                    (False, torch.bfloat16, torch.float32, False, True)]
+
+
+def test_backward_half_runs_under_the_callers_torch_function_and_dispatch_modes():
+    """The mode stacks as they are on the calling thread (innermost last), entered on the helper
+    thread for the pair only."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    log: list = []
+
+    class FunctionLog(TorchFunctionMode):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.mul:
+                log.append((self.name, threading.get_ident()))
+            return func(*args, **(kwargs or {}))
+
+    class DispatchLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mul.Tensor:
+                log.append(("dispatch", threading.get_ident()))
+            return func(*args, **(kwargs or {}))
+
+    a = torch.ones(2)
+    with FunctionLog("outer"), DispatchLog(), FunctionLog("inner"):
+        run_relayed(hand_over, lambda: torch.mul(a, a))
+    helper = relay._helper.thread.ident
+    assert log == [("inner", helper), ("outer", helper), ("dispatch", helper)]
+    log.clear()
+    run_relayed(hand_over, lambda: torch.mul(a, a))
+    assert log == []
+
+
+def test_backward_half_saves_through_the_callers_saved_tensor_hooks_or_their_disabling():
+    packed: list = []
+    w = torch.ones(3, requires_grad=True)
+
+    def backward() -> None:
+        (w * 2).sin().sum().backward()
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(threading.get_ident()) or t, lambda t: t):
+        run_relayed(hand_over, backward)
+    assert packed and set(packed) == {relay._helper.thread.ident}
+    def enter_hooks() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            pass
+
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this region"):
+        with pytest.raises(RuntimeError, match="no hooks in this region"):
+            run_relayed(hand_over, enter_hooks)
+    run_relayed(hand_over, backward)  # neither is left on the helper thread
+    assert set(packed) == {relay._helper.thread.ident} and w.grad is not None
+
+
+def test_a_pair_inside_a_torch_func_transform_is_refused_before_either_half_runs():
+    ran: list = []
+
+    def pair(x: torch.Tensor) -> torch.Tensor:
+        run_relayed(lambda: ran.append("F"), lambda: ran.append("B"))
+        return x
+
+    with pytest.raises(ValueError, match=r"inside a torch\.func transform.*overlap=False"):
+        torch.func.vmap(pair)(torch.ones(2))
+    assert ran == [] and relay._active is None

@@ -1,7 +1,12 @@
 """Two-batch overlap's pieces in one process: splitting a microbatch's inputs (tensors and
-flex-attention block masks), joining the halves' outputs, the schedule option, the orders rule."""
+flex-attention block masks), joining the halves' outputs, the schedule option, the orders rule,
+and a lone forward run as a relay (thread-local state, random numbers)."""
 
 from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -9,8 +14,10 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from titan_dualpipe._compat import B, F, OVERLAP_F_B, _Action
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
-from titan_dualpipe.overlap.halves import join_halves, split_batch
+from titan_dualpipe.overlap.halves import join_halves, run_forward_in_halves, split_batch
+from titan_dualpipe.overlap.relay import hand_over
 from titan_dualpipe.runtime.halves import two_batch_stages
+from titan_dualpipe.runtime.split_backward import SplitDecisions
 
 
 def test_split_batch_splits_what_has_the_batch_and_passes_the_rest():
@@ -90,3 +97,90 @@ def test_the_record_keeps_no_half_output_alive():
     assert alive() is None and all(isinstance(root, GradientEdge) for half in record.halves for root in half)
     torch.autograd.backward(record.halves[0] + record.halves[1], list(torch.ones_like(joined).split([2, 1])))
     assert torch.equal(x.grad, torch.tensor([[2.0] * 4, [2.0] * 4, [3.0] * 4]))
+
+
+class _HandsOverMidForward(torch.nn.Module):
+    """Linear, dropout, a hand-over (where an expert-parallel exchange would post), linear, dropout.
+    Records what each half ran: the thread, the generator state it started from, the output
+    dtype and dropout masks."""
+
+    def __init__(self, width: int = 4, p: float = 0.0) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.drop = torch.nn.Dropout(p)
+        self.runs: list[dict] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        run = {"thread": threading.get_ident(), "rng": torch.get_rng_state()}
+        self.runs.append(run)
+        h = self.drop(self.first(x))
+        hand_over()
+        out = self.drop(self.second(h))
+        run.update(dtype=out.dtype, masks=[h != 0, out != 0])
+        return out
+
+
+def _forward_in_halves(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A lone forward of ``module`` on ``x`` through the runtime's two-batch path (split, relay,
+    join), the executor reduced to what that path reads; the joined output and its record."""
+    outputs: list = []
+    executor = SimpleNamespace(stages={0: SimpleNamespace(submod=module)}, halves={}, split=SplitDecisions(set()),
+                               run_forward=lambda action: outputs.append(module(x)))
+    run_forward_in_halves(executor, _Action(0, F, 0))
+    return outputs[0], executor.halves[(0, 0)]
+
+
+def test_relayed_halves_run_in_the_callers_autocast():
+    """Under CPU autocast both halves compute in bfloat16 (the second one on the relay's helper
+    thread), so the joined output has the dtype the next stage's receive is sized for."""
+    torch.manual_seed(0)
+    module = _HandsOverMidForward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        joined, _ = _forward_in_halves(module, torch.randn(2, 4))
+    assert len({run["thread"] for run in module.runs}) == 2  # the second half ran on the helper thread
+    assert [run["dtype"] for run in module.runs] == [torch.bfloat16] * 2 and joined.dtype == torch.bfloat16
+    module.runs.clear()
+    joined, _ = _forward_in_halves(module, torch.randn(2, 4))  # outside autocast, on the same helper thread
+    assert [run["dtype"] for run in module.runs] == [torch.float32] * 2 and joined.dtype == torch.float32
+
+
+def test_saved_tensor_hooks_a_forward_pre_hook_enters_apply_to_both_halves():
+    """A forward pre-hook enters saved-tensor hooks (a forward hook leaves them), as activation
+    offloading and memory meters do: what the second half saves on the helper thread is packed too."""
+    torch.manual_seed(0)
+    module = _HandsOverMidForward()
+    packed: list[int] = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(threading.get_ident()) or t, lambda t: t)
+    module.register_forward_pre_hook(lambda *_: hooks.__enter__())
+    module.register_forward_hook(lambda *_: hooks.__exit__())
+    x = torch.randn(2, 4, requires_grad=True)
+    module(x[:1])
+    per_half = len(packed)
+    packed.clear()
+    joined, _ = _forward_in_halves(module, x)
+    threads = [run["thread"] for run in module.runs[1:]]
+    assert per_half > 0 and sorted(packed) == sorted(threads * per_half), (per_half, packed, threads)
+    joined.sum().backward()
+    assert x.grad is not None
+
+
+def test_relayed_halves_draw_their_own_dropout_masks():
+    """Each half draws from a stream of its own: the first exactly what it draws as the first of the
+    two halves run one after the other, the second what it draws alone from its own stream's start,
+    none of the first half's masks; the generators end where the first half ended."""
+    module = _HandsOverMidForward(width=64, p=0.5)
+    x = torch.randn(2, 64)
+    torch.manual_seed(0)
+    module(x[:1])
+    first_alone, end_of_first = module.runs.pop(), torch.get_rng_state()
+    torch.manual_seed(0)
+    _forward_in_halves(module, x)
+    first, second = module.runs
+    assert first["thread"] != second["thread"]
+    assert all(torch.equal(a, b) for a, b in zip(first["masks"], first_alone["masks"], strict=True))
+    assert torch.equal(torch.get_rng_state(), end_of_first)
+    # none of the first half's masks (the second half's first mask was the first half's second one)
+    assert not any(torch.equal(a, b) for a in second["masks"] for b in first["masks"])
+    torch.set_rng_state(second["rng"])
+    module(x[1:])
+    assert all(torch.equal(a, b) for a, b in zip(second["masks"], module.runs[-1]["masks"], strict=True))

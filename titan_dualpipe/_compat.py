@@ -458,9 +458,70 @@ def wait_collective(t: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
+# -- Thread-local state behind private names ------------------------------------------------------
+# torch hands a thread's state to autograd's worker threads in C++ (``at::ThreadLocalState``), which
+# Python cannot reach; the relay's helper thread takes the caller's state part by part, these parts
+# through the private names below (the public ones, grad mode and autocast, in the relay).
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateThreadState:
+    """A thread's state that torch exposes through private names only (see :func:`private_thread_state`)."""
+
+    saved_tensors_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None  # the innermost pair, the one applied
+    saved_tensors_hooks_disabled: str | None  # ``disable_saved_tensors_hooks``'s message
+    function_modes: tuple[Any, ...]  # TorchFunctionModes, innermost last
+    dispatch_modes: tuple[Any, ...]  # TorchDispatchModes, innermost last
+    torch_function_disabled: str | None  # "all" (``DisableTorchFunction``), "subclasses" (``...Subclass``)
+    dispatch_keys: tuple[Any, Any]  # the dispatcher's local include and exclude sets
+    functorch_transform: bool  # inside ``torch.func`` transforms, whose interpreter stack stays on the thread
+
+
+def private_thread_state() -> PrivateThreadState:
+    """This thread's :class:`PrivateThreadState`."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    disabled = ("all" if torch._C._is_torch_function_all_disabled()
+                else None if torch._C._is_torch_function_enabled() else "subclasses")
+    return PrivateThreadState(
+        saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(True),
+        saved_tensors_hooks_disabled=torch._C._autograd._saved_tensors_hooks_get_disabled_error_message(),
+        function_modes=tuple(torch.overrides._get_current_function_mode_stack()),
+        dispatch_modes=tuple(_get_current_dispatch_mode_stack()),
+        torch_function_disabled=disabled,
+        dispatch_keys=(torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()),
+        functorch_transform=torch._C._functorch.peek_interpreter_stack() is not None,
+    )
+
+
+@contextlib.contextmanager
+def private_thread_state_entered(state: PrivateThreadState) -> Iterator[None]:
+    """``state`` on this thread within the block (a thread with none of its own: no hooks, no modes);
+    the thread's own state after it. Enter it after the public parts (autocast, inference mode): the
+    dispatcher's key sets are forced last, to exactly the captured ones."""
+    with contextlib.ExitStack() as stack:
+        if state.saved_tensors_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*state.saved_tensors_hooks))
+        if state.saved_tensors_hooks_disabled is not None:
+            stack.enter_context(torch.autograd.graph.disable_saved_tensors_hooks(state.saved_tensors_hooks_disabled))
+        for mode in state.dispatch_modes:  # the stack as it is, without running the modes' __enter__
+            torch._C._push_on_torch_dispatch_stack(mode)
+            stack.callback(torch._C._pop_torch_dispatch_stack, None)  # the innermost mode
+        for mode in state.function_modes:
+            torch.overrides._push_mode(mode)
+            stack.callback(torch.overrides._pop_mode)
+        if state.torch_function_disabled == "all":
+            stack.enter_context(torch._C.DisableTorchFunction())
+        elif state.torch_function_disabled == "subclasses":
+            stack.enter_context(torch._C.DisableTorchFunctionSubclass())
+        stack.enter_context(torch._C._ForceDispatchKeyGuard(*state.dispatch_keys))
+        yield
+
+
 __all__ = [
     "HAS_METADATA_VOTE",
     "PipelineStage",
+    "PrivateThreadState",
     "SPLIT_BACKWARD_NEEDS_UNSHARD",
     "STATIC_METADATA_DROPS_INPUT_GRADS",
     "SUPPORTED_TORCH",
@@ -494,6 +555,8 @@ __all__ = [
     "input_grads",
     "module_forward_replaced",
     "post_all_to_all_single",
+    "private_thread_state",
+    "private_thread_state_entered",
     "runnable_on_gloo",
     "schedule_kwargs",
     "set_chain_ends",

@@ -28,10 +28,20 @@ Numerics: each half computes what the whole computes for its rows, provided the 
 no rows of a batch (no batch statistics; our MoE module routes per sequence for this). A
 weight's gradient is then the sum of two half-batch gradients instead of one sum over the
 batch, a reordered floating-point sum: equal to a few ulp of the sum's terms, not bitwise.
-Input gradients are bitwise equal (each half fills its own rows). A forward that draws
-random numbers (dropout) draws other masks than the whole would, from the pair's generator
-streams (see the relay). A microbatch whose batch is 1 runs whole: splitting the sequence
-instead would not give independent halves (attention reads the whole sequence).
+Input gradients are bitwise equal (each half fills its own rows). A microbatch whose batch
+is 1 runs whole: splitting the sequence instead would not give independent halves (attention
+reads the whole sequence).
+
+Random numbers (dropout): the halves draw other masks than the whole would. As a relay, the
+first half draws exactly what it draws as the first of the two halves run one after the other;
+the second draws from a stream of its own, seeded from the generators' state when the forward
+starts, all its draws in a row (a checkpointed block's recompute finds its masks), none of the
+first half's masks; the generators end where the first half ended (see the relay; halves that
+never hand over run one after the other, on one stream). The second half cannot draw what it
+would draw after the first, as that state exists only once the first half has ended. A
+module's own interleaving runs both halves on one thread: they draw from the caller's stream
+in the order it runs their segments (the first half's masks up to its first exchange are
+those it draws alone; our MoE module draws none).
 """
 
 from __future__ import annotations

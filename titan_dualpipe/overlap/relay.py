@@ -27,34 +27,56 @@ the pair raises the original exception on this rank.
 
 Threads: torch runs a CPU backward on the thread that calls it; with an accelerator the
 autograd work runs on its device threads, so any thread other than the forward's counts
-as the backward half. Grad mode and the accelerator's current device and stream are
-copied to the helper thread.
+as the backward half. The helper thread runs in the calling thread's state as it was when
+the pair started, as torch's own autograd threads do: grad and inference mode, autocast
+(enabled and dtype for CPU and the accelerator, the cache flag), the saved-tensor hooks that
+apply (or their disabling), the TorchFunctionMode and TorchDispatchMode stacks (the mode
+objects themselves: a mode sees both halves' calls, one at a time), torch-function
+disabling, the dispatcher's local key sets, and the accelerator's current device and
+stream; it gets its own state back after each pair. A pair started inside a ``torch.func``
+transform (vmap, grad, ...), whose interpreter stack cannot move to another thread, raises
+:class:`ValueError` before either half runs. torch's profiler records only the thread that
+started it (and autograd's threads): to see the helper thread's operators, profile with
+``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
 
 Random numbers: torch's generators (CPU's, and the accelerator's per device once it is
 initialized) are process-wide, not per thread, so each hand-over parks the running half's
-generator states and resumes its partner's: each half draws from a stream of its own. The
-forward half's stream is the one the pair starts with, carried across its hand-overs, so it
-draws exactly what it draws alone, first; the pair leaves the generators where the forward
-half ended. The backward half's stream starts from the forward's state at the first
-hand-over. A checkpointed block's recompute (``preserve_rng_state``, torch's default) sets
-the state its forward saved and puts the outer state back after it, so it draws its
-forward's dropout masks even across a hand-over. The relay is bitwise equal to the forward,
-then the backward, when the backward half's draws come only from such restored states (or
-it draws nothing): sequentially it would leave the generators where the forward ended,
-too. Draws a backward half takes from the stream itself (recompute without
-``preserve_rng_state``, say) are deterministic but not those of the sequential order (they
-repeat the forward's later draws), and the pair's end drops them. A forward that never
-hands over runs its backward after it on one stream: sequential exactly.
+generator states and resumes its partner's: each half draws from a stream of its own, all
+its draws in a row, as it would alone.
+
+- The forward half (two-batch overlap's first half) continues the caller's stream: it
+  draws exactly what it draws alone, first; the pair leaves the generators where it ended.
+- The backward half (the second half) draws from a stream seeded from a hash of the
+  generators' states when the pair started: deterministic, the same on every rank whose
+  generators agree, and apart from the forward half's stream (no mask of the one repeats
+  the other's). The pair's end drops its draws. Sequentially it would go on from where the
+  forward ends, a state that does not exist yet while the forward half runs: no relay can
+  draw that.
+
+A checkpointed block's recompute (``preserve_rng_state``, torch's default) sets the state
+its forward saved and puts the outer state back after it; as each half's draws are in a
+row, it draws its forward's dropout masks even when the block spans hand-overs. A pair is
+therefore bitwise equal to the forward, then the backward, when the backward half's draws
+come only from such restored states (or it draws nothing): sequentially, too, the
+generators end where the forward ended. Two halves of one microbatch
+(:mod:`~titan_dualpipe.overlap.halves`): the first draws the masks of the two halves run
+one after the other, the second other masks of its own. A forward that never hands over
+runs its backward after it on one stream: sequential exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import queue
+import struct
 import threading
 from types import ModuleType
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 import torch
+
+from .._compat import PrivateThreadState, private_thread_state, private_thread_state_entered
 
 _RngStates = list[tuple[torch.Generator, torch.Tensor]]
 
@@ -80,6 +102,7 @@ class Relay:
         self.hand_overs = 0  # switches to a running partner, for tests and tracing
         self._accelerator = _accelerator_module()
         self._rng: list[_RngStates | None] = [None, None]  # each half's parked generator states
+        self._rng_at_start = _rng_states(self._accelerator)  # the backward half's stream is seeded from these
 
     def _half(self) -> int:
         return FORWARD if threading.get_ident() == self._forward_thread else BACKWARD
@@ -107,10 +130,10 @@ class Relay:
 
     def _switch_rng(self, me: int, other: int) -> None:
         """Park this half's generator states and resume the partner's (a backward half that
-        has not run yet starts from the forward's states: nothing to set)."""
+        has not run yet starts its own stream)."""
         self._rng[me] = _rng_states(self._accelerator)
-        if self._rng[other] is not None:
-            _set_rng_states(self._rng[other])
+        partner = self._rng[other]
+        _set_rng_states(partner if partner is not None else _forked(self._rng[me], self._rng_at_start))
 
     def _rng_at_end(self, half: int) -> None:
         """Leave the generators to the half that goes on, or where the forward ended."""
@@ -165,15 +188,15 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
     global _active
     if _active is not None:
         raise RuntimeError("a relayed pair is already running in this process: pairs do not nest")
-    enter_thread_state = _thread_state()
+    caller_state = _thread_state()  # before anything runs: it refuses what cannot be carried
     backward_ended = threading.Event()
 
     def backward_job() -> None:
         error = None
         try:
-            enter_thread_state()
-            relay.wait_turn(BACKWARD)
-            backward_half()
+            with caller_state():
+                relay.wait_turn(BACKWARD)
+                backward_half()
         except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
             error = err
         relay.end(BACKWARD, error)
@@ -231,21 +254,52 @@ def _helper_thread() -> _HelperThread:
     return _helper
 
 
-def _thread_state() -> Callable[[], None]:
-    """Capture this thread's grad mode and accelerator device/stream; the result applies them."""
-    grad_enabled = torch.is_grad_enabled()
+def _thread_state() -> Callable[[], ContextManager[None]]:
+    """Capture this thread's state (see the module docstring); the result enters it on another
+    thread, for a block. ValueError for a state that cannot be carried."""
+    private = private_thread_state()
+    _refuse_what_cannot_be_carried(private)
+    grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    cache_enabled = torch.is_autocast_cache_enabled()
+    autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in _autocast_devices()]
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     stream = None
     if accelerator is not None and accelerator.type != "cpu" and _initialized(getattr(torch, accelerator.type, None)):
         stream = torch.accelerator.current_stream()
 
-    def enter() -> None:
-        torch.set_grad_enabled(grad_enabled)
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
         if stream is not None:
             torch.accelerator.set_device_index(stream.device.index)
             torch.accelerator.set_stream(stream)
+        with contextlib.ExitStack() as stack:
+            if inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(grad_enabled))
+            for kind, enabled, dtype in autocast:  # exiting the last one clears the thread's autocast cache
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+            stack.enter_context(private_thread_state_entered(private))  # last: forces the dispatch key sets
+            yield
 
-    return enter
+    return entered
+
+
+def _refuse_what_cannot_be_carried(private: PrivateThreadState) -> None:
+    if private.functorch_transform:
+        raise ValueError(
+            "a relayed pair (or two-batch halves run as a relay) cannot start inside a torch.func transform "
+            "(vmap, grad, jacrev, ...): the transform's state stays on the calling thread, and the other half "
+            "runs on a helper thread. Run the schedule outside the transform, or pass overlap=False "
+            "(and two_batch_overlap=False) to the schedule")
+
+
+def _autocast_devices() -> list[str]:
+    """The device types whose autocast state a relay carries: CPU's and the accelerator's."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    kinds = ["cpu"]
+    if accelerator is not None and accelerator.type != "cpu" and torch.amp.is_autocast_available(accelerator.type):
+        kinds.append(accelerator.type)
+    return kinds
 
 
 def _accelerator_module() -> ModuleType | None:
@@ -268,6 +322,23 @@ def _rng_states(accelerator: ModuleType | None) -> _RngStates:
 def _set_rng_states(states: _RngStates) -> None:
     for generator, state in states:
         generator.set_state(state)
+
+
+def _forked(current: _RngStates, at_start: _RngStates) -> _RngStates:
+    """States for a stream of its own: each generator seeded from a hash of its state at the pair's
+    start (or of its current one, for a generator initialized since)."""
+    start = {id(generator): state for generator, state in at_start}
+    return [(generator, _seeded(generator, start.get(id(generator), state))) for generator, state in current]
+
+
+def _seeded(generator: torch.Generator, state: torch.Tensor) -> torch.Tensor:
+    """The state of a fresh generator like ``generator``, seeded from a hash of ``state``."""
+    raw = state.flatten().view(torch.uint8)
+    words = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)]).view(torch.int64).tolist()
+    digest = hashlib.blake2b(struct.pack(f"<{len(words)}q", *words), digest_size=8).digest()
+    fresh = torch.Generator(device=generator.device)
+    fresh.manual_seed(int.from_bytes(digest, "little"))
+    return fresh.get_state()
 
 
 def _initialized(module: ModuleType | None) -> bool:
