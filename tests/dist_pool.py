@@ -4,15 +4,24 @@
 results; an exception on any rank, a dead worker or a call that does not finish in time fails
 the call with every rank's story and kills the pool (the next call starts a fresh one).
 ``pool.outcomes`` returns every rank's outcome instead, for cases that expect failures.
+
+Each worker's stderr (Python's and the C++ runtime's, e.g. a ``std::terminate`` message) goes to
+a file the pool relays to its own stderr after every call; ``faulthandler`` writes every thread's
+Python stack there when a worker crashes (SIGSEGV, SIGABRT...) and, on a timeout, before the pool
+kills it. A dead or hung worker's failure message ends with the tail of that file.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import queue
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -27,7 +36,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], pg_timeout_s: float) -> None:
+def _stderr_to(path: str) -> None:
+    """Send this process's stderr (fd 2) to ``path``; dump every thread's stack there on a crash
+    or on SIGUSR1 (the pool's signal before it kills a hung worker)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], pg_timeout_s: float,
+            log_path: str) -> None:
+    _stderr_to(log_path)
     sys.path[:0] = [p for p in paths if p not in sys.path]
     import torch
     import torch.distributed as dist
@@ -49,11 +70,22 @@ class RemoteError(AssertionError):
     pass
 
 
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
 class WorkerPool:
     def __init__(self, world: int, pg_timeout_s: float = 120.0) -> None:
         self.world = world
         self.pg_timeout_s = pg_timeout_s
         self._procs: list = []
+        self._log_dir = ""
+        self._log_read: list[int] = []  # bytes of each worker's log relayed so far
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -62,8 +94,10 @@ class WorkerPool:
         port = _free_port()
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         paths = [tests_dir, os.path.dirname(tests_dir)]
+        self._log_dir, self._log_read = tempfile.mkdtemp(prefix="dist_pool_"), [0] * self.world
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results, paths, self.pg_timeout_s), daemon=True)
+            ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results, paths,
+                                              self.pg_timeout_s, self._log_path(r)), daemon=True)
             for r in range(self.world)
         ]
         for p in self._procs:
@@ -97,14 +131,49 @@ class WorkerPool:
                 pass
             for rank, proc in enumerate(self._procs):
                 if rank not in outcomes and not proc.is_alive():
-                    outcomes[rank] = (False, f"worker died (exit code {proc.exitcode})")
+                    outcomes[rank] = (False, f"worker died ({_exit_reason(proc.exitcode)}); its stderr ends:\n"
+                                             f"{self._log_tail(rank)}")
             if time.monotonic() > deadline and len(outcomes) < self.world:
-                self.close(kill=True)
                 missing = sorted(set(range(self.world)) - set(outcomes))
-                raise RemoteError(f"{fn.__name__}{kwargs} timed out after {timeout_s}s on ranks {missing}")
+                stacks = self._stacks_of(missing)
+                self.close(kill=True)
+                raise RemoteError(f"{fn.__name__}{kwargs} timed out after {timeout_s}s on ranks {missing}\n{stacks}")
+        self._relay_logs()
         if any(not ok for ok, _ in outcomes.values()):
             self.close(kill=True)
         return outcomes
+
+    def _log_path(self, rank: int) -> str:
+        return os.path.join(self._log_dir, f"rank{rank}.log")
+
+    def _log_tail(self, rank: int, chars: int = 8000) -> str:
+        try:
+            with open(self._log_path(rank), errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError:
+            return ""
+
+    def _relay_logs(self) -> None:
+        """Write what the workers put on their stderr since the last call to ours (CI's log, or
+        the test's captured stderr), each line prefixed with its rank."""
+        for rank in range(len(self._log_read)):
+            try:
+                with open(self._log_path(rank), "rb") as f:
+                    f.seek(self._log_read[rank])
+                    new = f.read()
+            except OSError:
+                continue
+            self._log_read[rank] += len(new)
+            for line in new.decode(errors="replace").splitlines():
+                sys.stderr.write(f"[rank {rank}] {line}\n")
+
+    def _stacks_of(self, ranks: list[int]) -> str:
+        """Every thread's stack of each of ``ranks`` (hung workers), through faulthandler's SIGUSR1."""
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        return "\n".join(f"--- rank {rank} stderr ---\n{self._log_tail(rank)}" for rank in ranks)
 
     def close(self, kill: bool = False) -> None:
         if not self._procs:
@@ -116,6 +185,9 @@ class WorkerPool:
             p.join(timeout=0 if kill else 30)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+        self._relay_logs()
+        shutil.rmtree(self._log_dir, ignore_errors=True)
         self._procs = []
 
 

@@ -248,6 +248,59 @@ def fsdp_shard_group_ranks(module: Any) -> list[list[int]]:
     return [dist.get_process_group_ranks(group.mesh_info.shard_process_group) for group in _fsdp_param_groups(module)]
 
 
+@contextlib.contextmanager
+def fsdp_post_forward_decided(modules: list[Any], reshard: Callable[[Any], bool]) -> Iterator[list[Any]]:
+    """Within the block, each post-forward of an FSDP2 parameter group of ``modules`` asks
+    ``reshard(group)``: False keeps the group's parameters gathered; True reshards them as a lone
+    forward's post-forward does (by the group's ``reshard_after_forward``). FSDP2 itself applies that
+    setting only to a group still in its forward: a group that another forward's post-forward left
+    idle is resharded whatever the setting. Yields the groups (for :func:`fsdp_reshard_after_forward`)."""
+    groups = [group for module in modules for group in _fsdp_param_groups(module)]
+    for group in groups:
+        group.post_forward = _decided_post_forward(group, type(group).post_forward.__get__(group), reshard)
+    try:
+        yield groups
+    finally:
+        for group in groups:
+            group.__dict__.pop("post_forward", None)
+
+
+def _decided_post_forward(group: Any, post_forward: Callable[..., Any],
+                          reshard: Callable[[Any], bool]) -> Callable[..., Any]:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    def decided(module: Any, args: Any, output: Any) -> Any:
+        if reshard(group):
+            if group._training_state == TrainingState.IDLE:
+                group._training_state = TrainingState.FORWARD
+            return post_forward(module, args, output)
+        group.reshard = _keep_gathered  # for this call: the method's lookup finds the instance's first
+        try:
+            return post_forward(module, args, output)
+        finally:
+            del group.reshard
+
+    return decided
+
+
+def _keep_gathered() -> None:
+    pass
+
+
+def fsdp_reshard_after_forward(group: Any) -> None:
+    """Reshard an idle FSDP2 parameter group (one of :func:`fsdp_post_forward_decided`'s) as a
+    post-forward does: only when its ``reshard_after_forward`` says so."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    if group._training_state != TrainingState.IDLE:
+        return
+    group._training_state = TrainingState.FORWARD
+    try:
+        group.reshard()
+    finally:
+        group._training_state = TrainingState.IDLE
+
+
 def default_store() -> dist.Store:
     """The default process group's key-value store."""
     return dist.distributed_c10d._get_default_store()
@@ -548,6 +601,8 @@ __all__ = [
     "donated_buffers_off",
     "fsdp_data_parallel_sizes",
     "fsdp_gradient_divide_factors",
+    "fsdp_post_forward_decided",
+    "fsdp_reshard_after_forward",
     "fsdp_shard_group_ranks",
     "get_schedule_class",
     "initialize_stages",

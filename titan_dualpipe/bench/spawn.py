@@ -3,6 +3,7 @@ what rank 0 puts out."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 from datetime import timedelta
@@ -20,6 +21,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT...) prints every thread's stack
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device_id = None

@@ -1,0 +1,77 @@
+"""The test pool itself: what it reports when a worker crashes or hangs, and the workers' stderr."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from dist_pool import RemoteError, WorkerPool
+
+
+def abort_from_a_thread(rank_to_crash: int) -> int:
+    """``rank_to_crash`` aborts the process from a second thread (as ``std::terminate`` would)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_crash:
+        def crash_in_helper() -> None:
+            os.abort()
+
+        thread = threading.Thread(target=crash_in_helper, name="crashing-helper")
+        thread.start()
+        thread.join()
+    return dist.get_rank()
+
+
+def sleep_on(rank_to_hang: int, seconds: float) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_hang:
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+def say_on_stderr(text: str) -> int:
+    import torch.distributed as dist
+
+    print(text, file=sys.stderr, flush=True)
+    return dist.get_rank()
+
+
+def test_a_crashed_worker_reports_its_signal_and_every_threads_stack():
+    pool = WorkerPool(2)
+    try:
+        outcomes = pool.outcomes(abort_from_a_thread, timeout_s=120, rank_to_crash=1)
+    finally:
+        pool.close(kill=True)
+    assert outcomes[0] == (True, 0), outcomes
+    ok, report = outcomes[1]
+    assert not ok and report.startswith("worker died (killed by SIGABRT)"), report
+    assert "Fatal Python error: Aborted" in report, report
+    assert 'in crash_in_helper' in report and "Current thread" in report, report  # the crashing thread's stack
+    assert "in abort_from_a_thread" in report, report  # and the other threads' (the joining main thread)
+
+
+def test_a_hung_worker_reports_its_stack_before_it_is_killed():
+    pool = WorkerPool(2)
+    try:
+        assert pool.run(sleep_on, rank_to_hang=1, seconds=0) == [0, 1]  # started: the timeout counts the call only
+        with pytest.raises(RemoteError, match=r"timed out after 5s on ranks \[1\]") as failure:
+            pool.run(sleep_on, timeout_s=5, rank_to_hang=1, seconds=120)
+    finally:
+        pool.close(kill=True)
+    assert "--- rank 1 stderr ---" in str(failure.value) and "in sleep_on" in str(failure.value), failure.value
+
+
+def test_workers_stderr_reaches_the_callers_stderr(capsys):
+    pool = WorkerPool(2)
+    try:
+        assert pool.run(say_on_stderr, text="a line from a worker") == [0, 1]
+    finally:
+        pool.close()
+    err = capsys.readouterr().err
+    assert "[rank 0] a line from a worker" in err and "[rank 1] a line from a worker" in err, err
