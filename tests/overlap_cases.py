@@ -66,6 +66,7 @@ def _is_expert(name: str) -> bool:
 
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
+          reshard_after_forward: bool | None = None,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
@@ -82,7 +83,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     for module in [*modules.values(), reference] if compile_backend else ():
         compile_blocks(module.layers.values(), compile_backend)  # before FSDP, as torchtitan
     if fsdp:
-        _shard_all_but_experts(modules.values(), topo.ep_mesh)
+        _shard_all_but_experts(modules.values(), topo.ep_mesh, reshard_after_forward)
     stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=topo.pp_group)
               for s in place.stages_of(topo.pp_rank)]
     if schedule_cls is not None:
@@ -92,14 +93,14 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     return reference, modules, sched, comm
 
 
-def _shard_all_but_experts(modules, dp_mesh) -> None:
+def _shard_all_but_experts(modules, dp_mesh, reshard_after_forward: bool | None = None) -> None:
     """FSDP2 per block and per stage over the expert-parallel ranks; experts stay local."""
     from torch.distributed.fsdp import fully_shard
 
     for module in modules:
         experts = {p for n, p in module.named_parameters() if _is_expert(n)}
         for block in module.layers.values():
-            fully_shard(block, mesh=dp_mesh, ignored_params=experts)
+            fully_shard(block, mesh=dp_mesh, ignored_params=experts, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=dp_mesh, ignored_params=experts)
 
 
@@ -458,3 +459,48 @@ def relayed_exchange_emulated_cost(seconds: float = 0.2) -> dict:
     return {"alone_s": alone_s, "alone_exposed": alone_exposed, "paired_s": paired_s,
             "paired_exposed": paired_exposed, "posted": cost.stats.posted,
             "same_bits": torch.equal(plain, alone) and torch.equal(plain, got[0])}
+
+
+
+class WholeBlocksMoETransformer(RelayedMoETransformer):
+    """Calls each block whole (as torchtitan's blocks run): a relayed half hands over inside a
+    block's call, at its exchanges, so both halves are inside one FSDP2 module at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for block in self.layers.values():
+            h = block(h)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def two_batch_all_gathers(schedule: str, n: int, relay: bool = False, checkpoint: bool = False, steps: int = 2,
+                          whole_blocks: bool = False, reshard_after_forward: bool | None = None) -> dict:
+    """FSDP2's all-gathers per step with two-batch overlap on and off (each run with overlapped
+    pairs), and the largest difference of their gradients; a split microbatch should gather
+    each block once per call, as the whole one does. ``whole_blocks``: relayed, blocks called
+    whole (:class:`WholeBlocksMoETransformer`); ``reshard_after_forward``: the blocks' setting."""
+    from titan_dualpipe.orders.nccl_model import Collective, Post
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    module_cls = WholeBlocksMoETransformer if whole_blocks else RelayedMoETransformer if relay else MoETransformer
+    counts: dict[str, list[int]] = {}
+    grads: dict[str, list[torch.Tensor]] = {}
+    for split in (True, False):
+        _, modules, sched, _ = build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=True,
+                                     module_cls=module_cls, two_batch=split,
+                                     reshard_after_forward=reshard_after_forward)
+        counts["split" if split else "whole"] = per_step = []
+        grads["split" if split else "whole"] = kept = []
+        for step in range(steps):
+            x, y = batch(step, n, ep_index)
+            with CommRecorder() as recorder:
+                _step(sched, modules, place, x, y)
+            per_step.append(sum(1 for e in recorder.events if isinstance(e, Post)
+                                for op in e.ops if isinstance(op, Collective) and "all_gather" in op.name))
+            kept += [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+            for module in modules.values():
+                module.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in zip(grads["split"], grads["whole"], strict=True))
+    return {**counts, "split_vs_whole": diff}

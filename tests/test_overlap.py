@@ -361,3 +361,20 @@ def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoin
             assert r["fused_halves"] == 0 and r["relayed_halves"] == halved and r["halves_hand_overs"] > 0, results
         else:  # the module interleaves them itself
             assert r["relayed_halves"] == 0 and r["fused_halves"] == halved, results
+
+
+@pytest.mark.parametrize("relay,checkpoint,whole_blocks,reshard_after_forward", [
+    (False, False, False, None), (True, True, False, None), (True, False, True, False),
+], ids=["protocol", "relay-ac", "relay-whole-blocks-kept-gathered"])
+def test_two_batch_overlap_gathers_fsdp2_parameters_as_the_whole_microbatch(
+        pool, relay, checkpoint, whole_blocks, reshard_after_forward):
+    """FSDP2: the halves of a split microbatch share each module call's all-gather, so a step posts
+    as many all-gathers with two-batch overlap as without; gradients agree. Our blocks are called per
+    segment and reshard after each call; torchtitan-like blocks are called whole, a relayed half
+    handing over inside the call; kept gathered (``reshard_after_forward=False``), they must not be
+    resharded by the second half's post-forward."""
+    results = pool.run(cases.two_batch_all_gathers, schedule="DualPipeV", n=4, relay=relay, checkpoint=checkpoint,
+                       whole_blocks=whole_blocks, reshard_after_forward=reshard_after_forward)
+    for r in results:
+        assert r["split"] == r["whole"] and r["split_vs_whole"] <= cases.ATOL, results
+    assert all(min(r["whole"]) > 0 for r in results), results

@@ -23,6 +23,9 @@ a first stage's deferred ``W``); the backward of a pair, and any backward of a s
 FSDP2 (whose hooks sit on the whole stage output), runs through both halves at once. Either
 way its input and weight gradients come in one backward: a split microbatch's ``I`` runs its
 whole backward and its ``W`` nothing (as for compiled stages, ``runtime/split_backward.py``).
+Under FSDP2 the halves share each module call's all-gather
+(:func:`~titan_dualpipe.runtime.fsdp.gathered_for_both_halves`): a split microbatch posts as
+many all-gathers as the whole one.
 
 Numerics: each half computes what the whole computes for its rows, provided the model mixes
 no rows of a batch (no batch statistics; our MoE module routes per sequence for this). A
@@ -55,7 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._compat import _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from ..runtime.executor import StepExecutor
-from ..runtime.fsdp import fsdp_modules
+from ..runtime.fsdp import fsdp_modules, gathered_for_both_halves
 from ..runtime.halves import register_halves_runner
 from .comm import warn_once_if_exchange_traced
 from .protocol import halves_implementation
@@ -144,10 +147,11 @@ def run_forward_in_halves(executor: StepExecutor, action: _Action) -> None:
             return whole_forward(*args, **kwargs)
         sizes, halves = split
         fused = halves_implementation(module) if own_forward else None
-        if fused is not None:
-            outputs = fused.overlapped_halves_forward(module, halves)
-        else:
-            outputs = _relay_halves([lambda h=h: whole_forward(*h[0], **h[1]) for h in halves])
+        with gathered_for_both_halves(module):  # FSDP2: one all-gather per call for both halves
+            if fused is not None:
+                outputs = fused.overlapped_halves_forward(module, halves)
+            else:
+                outputs = _relay_halves([lambda h=h: whole_forward(*h[0], **h[1]) for h in halves])
         joined, record = join_halves(outputs, sizes)
         executor.halves[key] = record
         executor.split.keep_whole(*key)

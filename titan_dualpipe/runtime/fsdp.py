@@ -1,9 +1,16 @@
-"""FSDP2 helpers of the runtime: a stage module's FSDP modules, gathered together."""
+"""FSDP2 helpers of the runtime: a stage module's FSDP modules, gathered together, and kept
+gathered across the two halves of a split microbatch."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from typing import Iterator
+
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from .._compat import fsdp_post_forward_decided, fsdp_reshard_after_forward
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -16,3 +23,32 @@ def unshard_all(module: nn.Module) -> None:
     for m in fsdp_modules(module):
         m.unshard()
 
+
+@contextlib.contextmanager
+def gathered_for_both_halves(module: nn.Module) -> Iterator[None]:
+    """Two forwards through ``module`` inside the block (a microbatch's halves, interleaved) that
+    call its FSDP2 modules alike, each as often: the k-th call of either gathers a module's
+    parameters once for both.
+
+    FSDP2 alone reshards at every post-forward, so the partner half's matching call would
+    gather again (an all-gather per call more than the whole microbatch posts); and a partner
+    still inside the module would compute on freed parameters. Here a group's odd post-forwards
+    keep its parameters gathered and its even ones (both halves past the call) reshard them by
+    its ``reshard_after_forward``, as the whole microbatch's post-forward would, even where the
+    partner's post-forward left the group idle (FSDP2 then reshards whatever the setting: a
+    group kept gathered, as the root or folded twins, would be gathered again). A module one
+    half calls more often than the other may gather again; a call left unmatched at the end is
+    resharded as a post-forward would. Memory: a module stays gathered from the first half's
+    call to the second's (the halves interleave at their exchanges, so usually one module).
+    """
+    calls: Counter = Counter()
+
+    def reshard(group: object) -> bool:
+        calls[group] += 1
+        return calls[group] % 2 == 0
+
+    with fsdp_post_forward_decided(fsdp_modules(module), reshard) as groups:
+        yield
+    for group in groups:
+        if calls[group] % 2:
+            fsdp_reshard_after_forward(group)
