@@ -37,13 +37,54 @@ def test_check_on_two_cpu_processes_passes_every_case(capfd):
     assert FSDP_VIEW_WARNING not in out + err
     report = json.loads(out)
     assert report["backend"] == "gloo" and len(report["cases"]) == len(check_cli.cases_for(2, "aot_eager")) == 9
-    compiled = [o["case"] for o in report["cases"] if ["compile_backend", "aot_eager"] in o["case"]["options"]]
-    assert [(c["schedule"], c["pp"]) for c in compiled] == [("DualPipeV", 2), ("DualPipe", 2)]
+    compiled = [o for o in report["cases"] if ["compile_backend", "aot_eager"] in o["case"]["options"]]
+    assert [(o["case"]["schedule"], o["case"]["pp"]) for o in compiled] == [("DualPipeV", 2), ("DualPipe", 2)]
+    for outcome in compiled:  # compiled for real, under the recorder, and checked against the eager reference
+        assert ["compile_reference", False] in outcome["case"]["options"], outcome["case"]
+        stages = sorted((rank, stage) for rank, stage, _ in outcome["graphs"])
+        assert len(stages) == 4 and {rank for rank, _ in stages} == {0, 1}, outcome["graphs"]  # 2 stages a rank
+        assert all(graphs > 0 for _, _, graphs in outcome["graphs"]), outcome["graphs"]
+    assert all(o["graphs"] == [] for o in report["cases"] if o not in compiled)
     split = [o["case"] for o in report["cases"] if ["two_batch_overlap", "all"] in o["case"]["options"]]
     assert [(c["schedule"], c["pp"]) for c in split] == [("DualPipeV", 2), ("DualPipe", 2)]
     for outcome in report["cases"]:
         assert outcome["passed"] and outcome["order"] == "completes", outcome
         assert 0 <= outcome["grad_err"] <= 4e-5 and outcome["seconds"] > 0
+        assert outcome["nccl_models"] == ["lazy init", "eager init"]  # gloo: both ways NCCL could run it
+
+
+def _everyone(trace: dict, eager_groups: set[str]) -> list[dict]:
+    """Every rank's result of a case that ran ``trace``, its groups' communicators made eagerly or not."""
+    return [{"ok": True, "rank": rank, "events": events, "eager_groups": eager_groups, "grad_err": 0.0,
+             "loss_err": 0.0, "seconds": 1.0} for rank, events in trace.items()]
+
+
+def test_the_order_is_judged_under_the_communicators_the_run_used():
+    """NCCL with a bound device (eager init, as ``check --backend nccl`` runs): one FIFO per group,
+    lone p2p ops included; without one (lazy init): pair communicators; gloo: both must complete."""
+    case, trace = check_cli.Case("DualPipeV", 3, 1, 6), check_cases.ring_after_warm_up()
+    lazy = check_cli._outcome(case, _everyone(trace, set()), "nccl")
+    assert lazy.passed and lazy.order == "completes" and lazy.nccl_models == ["lazy init"], lazy
+    eager = check_cli._outcome(case, _everyone(trace, {"pp"}), "nccl")
+    assert not eager.passed and eager.order == "would hang" and eager.nccl_models == ["eager init"], eager
+    assert eager.error.startswith("under NCCL eager init (init_process_group(device_id=...)"), eager.error
+    assert "rank 0: kernel 2 (recv ring20) on ('group', 'pp')" in eager.error, eager.error
+    on_gloo = check_cli._outcome(case, _everyone(trace, set()), "gloo")
+    assert not on_gloo.passed and on_gloo.nccl_models == ["lazy init", "eager init"] and "eager init" in on_gloo.error
+
+
+def test_check_prints_the_communicator_model_it_judged_under(monkeypatch, capsys):
+    from dataclasses import asdict
+
+    outcome = check_cli.Outcome(check_cli.Case("DualPipeV", 1, 1, 3), passed=True, order="completes",
+                                nccl_models=["eager init"])
+    monkeypatch.setattr(check_cli, "_backend", lambda nproc, backend: "nccl")
+    monkeypatch.setattr("titan_dualpipe.bench.spawn.run_on_processes", lambda *a, **k: [asdict(outcome)])
+    assert cli_main(["check", "--nproc", "1", "--backend", "nccl"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("NCCL order judged under eager init: init_process_group(device_id=...): one communicator "
+                        "per process group, created with it, running every op of the group, lone p2p ops included, "
+                        "in issue order"), lines
 
 
 def test_a_failing_case_is_shown_and_sets_the_exit_code(monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """Communication order under NCCL's semantics: no buffering, one FIFO per communicator,
-communicators created lazily at their first use (a rendezvous of their ranks).
+communicators created lazily at their first use (a rendezvous of their ranks), or eagerly
+(a bound device: one communicator per group, lone p2p ops included).
 
 gloo buffers sends, so an order can pass every CPU test and hang on GPUs. The planned
 orders (every schedule, pp up to 8, receives deferred or not, both ways torch posts lone
@@ -16,14 +17,15 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
+import check_cases
 import moe_trace_cases
 import pipeline_cases as cases
 from dist_pool import WorkerPool
 from titan_dualpipe import _compat, compute_order, placement
 from titan_dualpipe.orders.lowering import lower
 from titan_dualpipe.orders.nccl_model import (
-    RECV, SEND, Collective, Deadlock, P2P, Post, Trace, Wait, check_completes, communicators, describe, first_uses,
-    group_comm, pair_comm, planned_trace,
+    RECV, SEND, Collective, Deadlock, P2P, Post, Trace, Wait, check_completes, check_completes_eager, communicators,
+    describe, eager_init, first_uses, group_comm, pair_comm, planned_trace,
 )
 
 WORLD = 4
@@ -129,6 +131,31 @@ def test_a_group_communicator_is_created_by_all_its_members():
     assert check_completes(joined) >= 1
 
 
+def _completes_lazy_and_eager(trace: Trace) -> tuple[int, int]:
+    """Rounds to complete ``trace`` with lazy init (pair communicators made at first use) and with
+    eager init (every group's communicator made beforehand, lone p2p ops on it)."""
+    rounds = []
+    for name, check in (("lazy init", check_completes), ("eager init", check_completes_eager)):
+        try:
+            rounds.append(check(trace))
+        except Deadlock as err:
+            raise AssertionError(f"under NCCL {name}: {err}\n{describe(trace)}") from None
+    return rounds[0], rounds[1]
+
+
+def test_eager_init_runs_a_groups_p2p_in_issue_order_on_one_communicator():
+    """With a bound device NCCL runs a group's lone p2p ops on the group's communicator, in issue
+    order with its other ops: a ring that completes on pair communicators hangs there."""
+    trace = check_cases.ring_after_warm_up()
+    assert check_completes(trace) == 4
+    eager = eager_init(trace)
+    assert communicators(eager) == {group_comm("pp")} and len(communicators(trace)) == 3
+    with pytest.raises(Deadlock, match=r"rank 0: kernel 2 \(recv ring20\) on \('group', 'pp'\): recv from 2"):
+        check_completes_eager(trace)
+    assert check_completes_eager(trace, groups=["tp"]) == 4  # another group's eager init leaves "pp" as it was
+    assert eager_init(trace, groups=["tp"]) == trace
+
+
 def test_torch_deferral_would_hang_on_nccl():
     """torch's ``_defer_recv_ops`` moves receives past sends (gloo buffers them); on a V order
     the planned posting deadlocks under NCCL's semantics. Ours keeps every rank's sequence."""
@@ -167,10 +194,23 @@ def test_recorded_posting_completes_without_buffering(pool, schedule, pp, n, kwa
     trace = {r["rank"]: r["events"] for r in results}
     posted = sum(isinstance(e, Post) for events in trace.values() for e in events)
     assert posted > 0
-    try:
-        check_completes(trace)
-    except Deadlock as err:
-        raise AssertionError(f"{err}\n{describe(trace)}") from None
+    _completes_lazy_and_eager(trace)
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 4, 8), ("DualPipe", 4, 8)])
+def test_recorded_step_completes_under_eager_init(pool, schedule, pp, n):
+    """A recorded step moved onto eager init's communicators (``check --backend nccl`` binds each
+    rank's GPU): every lone p2p op on its group's one communicator, in issue order with the rest.
+    It still completes; serialised, it takes more rounds than on the pair communicators."""
+    results = [r for r in pool.run(cases.recorded_step_trace, schedule=schedule, pp=pp, n=n) if r]
+    trace = {r["rank"]: r["events"] for r in results}
+    eager = eager_init(trace)
+    assert not any(c[0] == "pair" for c in communicators(eager)), communicators(eager)
+    assert sum(isinstance(e, Post) for events in eager.values() for e in events) == sum(
+        isinstance(e, Post) for events in trace.values() for e in events)
+    lazy_rounds, eager_rounds = _completes_lazy_and_eager(trace)
+    if any(c[0] == "pair" for c in communicators(trace)):  # torch 2.13+: lone ops, now serialised
+        assert eager_rounds > lazy_rounds, (lazy_rounds, eager_rounds)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +226,7 @@ def pool8(pool):
 def test_recorded_posting_at_pp8_completes_without_buffering(pool8, schedule, kwargs):
     results = [r for r in pool8.run(cases.recorded_step_trace, schedule=schedule, pp=8, n=16, **kwargs) if r]
     assert len(results) == 8
-    check_completes({r["rank"]: r["events"] for r in results})
+    _completes_lazy_and_eager({r["rank"]: r["events"] for r in results})
 
 
 @pytest.mark.parametrize("schedule,pp,n,kwargs", [
@@ -216,6 +256,35 @@ def test_functional_collectives_are_recorded_from_every_thread(pool):
     check_completes({r["rank"]: r["events"] for r in ran})
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * x
+
+
+def test_code_compiled_under_the_recorder_runs_compiled():
+    """torch.compile builds graphs inside a CommRecorder (a dispatch mode that did not ignore
+    compile internals would make dynamo skip every frame, the block running eagerly), and the
+    compiled block's gradients equal the eager block's."""
+    from titan_dualpipe.check.numerics import GraphCounter
+    from titan_dualpipe.runtime.comm_record import CommRecorder
+
+    torch.manual_seed(0)
+    eager, x = _Block(), torch.randn(4, 8)
+    compiled, counter = _Block(), GraphCounter("aot_eager")
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(backend=counter)
+    with CommRecorder() as recorder:
+        compiled(x).sum().backward()
+    eager(x).sum().backward()
+    assert counter.graphs >= 1 and recorder.events == []
+    for got, want in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=4e-5)
+
+
 def _pair_communicators_created_late(trace: Trace) -> dict[int, list]:
     """Per rank, the pair communicators whose first use (their lazy creation) comes at or after
     the rank's first post made by a schedule action (posts outside actions have no label)."""
@@ -237,10 +306,7 @@ def test_pair_communicators_are_created_before_the_first_action(pool, schedule, 
     lone_ops = TorchVersion(torch.__version__) >= "2.13"  # before 2.13 every p2p batch shares the group's communicator
     assert any(c[0] == "pair" for c in communicators(trace)) == lone_ops, communicators(trace)
     assert not _pair_communicators_created_late(trace), _pair_communicators_created_late(trace)
-    try:
-        check_completes(trace)
-    except Deadlock as err:
-        raise AssertionError(f"{err}\n{describe(trace)}") from None
+    _completes_lazy_and_eager(trace)
 
 
 @pytest.mark.parametrize("module", ["ours", "relay", "titan"])
@@ -262,7 +328,4 @@ def test_recorded_moe_step_completes_without_buffering(pool, schedule, n, module
         assert (r["hand_overs"] > 0) == (module != "ours"), r
         assert r["ep_comm"] in first_uses(trace)[r["rank"]]
     assert not _pair_communicators_created_late(trace), _pair_communicators_created_late(trace)
-    try:
-        check_completes(trace)
-    except Deadlock as err:
-        raise AssertionError(f"{err}\n{describe(trace)}") from None
+    _completes_lazy_and_eager(trace)

@@ -458,6 +458,14 @@ def donated_buffers_off() -> Iterator[None]:
         yield
 
 
+def compiler_fn(backend: str) -> Callable[..., Any]:
+    """What ``torch.compile(backend=backend)`` compiles each graph with
+    (``torch._dynamo.lookup_backend``): a backend that calls it compiles the same graphs."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(backend)
+
+
 @contextlib.contextmanager
 def checkpoint_regions_seen() -> Iterator[set[str]]:
     """Within the block, collect which kinds of non-reentrant activation-checkpoint regions run
@@ -597,6 +605,7 @@ __all__ = [
     "agreed_inference_mode",
     "check_torch_version",
     "checkpoint_regions_seen",
+    "compiler_fn",
     "default_store",
     "donated_buffers_off",
     "fsdp_data_parallel_sizes",

@@ -8,6 +8,13 @@ steps with an Adam step between (DualPipe's twins bit-identical), that every ten
 to a collective lives on the stages' device, and that the communication each rank posted
 completes under NCCL's semantics (no buffering). Prints one row per case.
 
+NCCL's communicators depend on how the process group was initialised, and the order is judged
+under the model the run used (printed above the table): ``--backend nccl`` binds each rank's
+GPU (``init_process_group(device_id=...)``): eager init, one communicator per process group
+that runs every op of the group, lone p2p ops included, in issue order. Without a bound device
+(torchtitan's way) NCCL uses lazy init: lone p2p ops on two-rank communicators created at
+their first use. Under gloo (no NCCL) the order must complete under both.
+
 With ``--backend nccl`` rank r uses GPU r (N <= the GPUs of this machine); with gloo the
 processes run on the CPU.
 
@@ -61,6 +68,13 @@ FAULTS = ("grad", "setup", "step")
 # text ("can cause backward to fail") would read as a failure of the check.
 _HARMLESS_WARNING = r"FSDP2-wrapped module \(FSDPTinyLM\) returned a view tensor"
 _MESH_IDS = itertools.count()  # see _run_case
+LAZY_INIT, EAGER_INIT = "lazy init", "eager init"
+COMMUNICATOR_MODELS = {
+    LAZY_INIT: "no device bound to the group, as torchtitan runs NCCL: lone p2p ops on two-rank communicators "
+               "created at their first use",
+    EAGER_INIT: "init_process_group(device_id=...): one communicator per process group, created with it, running "
+                "every op of the group, lone p2p ops included, in issue order",
+}
 
 
 @dataclass(frozen=True)
@@ -87,13 +101,15 @@ class Outcome:
     seconds: float = 0.0
     error: str = ""
     ranks: list[int] = field(default_factory=list)
+    nccl_models: list[str] = field(default_factory=list)  # the communicator models the order was judged under
+    graphs: list[list[int]] = field(default_factory=list)  # [rank, stage, graphs compiled] per compiled stage
 
 
 def cases_for(world: int, compile_backend: str | None = None) -> list[Case]:
     """Every layout of N processes: DualPipeV on each pp dividing N, DualPipe on each even one;
     each schedule's deepest layout again with deferred receives and sequential pairs, and with
     two-batch overlap; with ``compile_backend``, each schedule's deepest layout again with its blocks compiled in
-    place (against the reference compiled the same way)."""
+    place, against the eager reference (each compiled stage must build graphs)."""
     cases: list[Case] = []
     for schedule in ("DualPipeV", "DualPipe"):
         pps = [pp for pp in range(1, world + 1) if world % pp == 0 and (schedule == "DualPipeV" or pp % 2 == 0)]
@@ -109,7 +125,8 @@ def cases_for(world: int, compile_backend: str | None = None) -> list[Case]:
             cases.append(Case(schedule, pp, world // pp, 2 * pp + 2, (("two_batch_overlap", "all"),)))
         if pps and compile_backend:
             pp = pps[-1]
-            cases.append(Case(schedule, pp, world // pp, 2 * pp + 2, (("compile_backend", compile_backend),)))
+            cases.append(Case(schedule, pp, world // pp, 2 * pp + 2,
+                              (("compile_backend", compile_backend), ("compile_reference", False))))
     return cases
 
 
@@ -190,7 +207,7 @@ def _run_case(case: Case, device: torch.device, fault: str | None = None,
     """One case on this rank: train and compare, record communication; what the others need."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..runtime.comm_record import CommRecorder
+    from ..runtime.comm_record import CommRecorder, nccl_eager_init
     from .numerics import train_and_compare
 
     pp_group, dp_group = _case_groups(case, timeout_s)
@@ -206,9 +223,12 @@ def _run_case(case: Case, device: torch.device, fault: str | None = None,
         with CommRecorder(device=device) as recorder:
             result = train_and_compare(case.schedule, case.pp, case.n, pp_group, dist.get_rank(pp_group),
                                        device=device, factory=_factory(case.schedule, ready, fault),
-                                       grad_fault=1.0 if fault == "grad" else 0.0, **fsdp, **dict(case.options))
-        return {"ok": True, **result, "events": recorder.events, "seconds": time.perf_counter() - start,
-                "rank": dist.get_rank()}
+                                       grad_fault=1.0 if fault == "grad" else 0.0, count_graphs=True, **fsdp,
+                                       **dict(case.options))
+        # the case's groups, and any other the steps used, whose NCCL communicator was made eagerly
+        eager = {g.group_name for g in (pp_group, dp_group) if g is not None and nccl_eager_init(g)}
+        return {"ok": True, **result, "events": recorder.events, "eager_groups": eager | recorder.eager_groups,
+                "seconds": time.perf_counter() - start, "rank": dist.get_rank()}
     except Exception as err:  # noqa: BLE001 - any failure is this case's FAIL row, on every rank
         failed_at = time.time()  # one machine: ranks' clocks order their failures
         if not ready.asked:  # the others wait in the agreement: tell them
@@ -221,9 +241,16 @@ def _run_case(case: Case, device: torch.device, fault: str | None = None,
                 dist.destroy_process_group(group)
 
 
-def _outcome(case: Case, everyone: list[dict[str, Any]]) -> Outcome:
+def _communicator_models(backend: str, eager_groups: set[str]) -> list[tuple[str, set[str] | None]]:
+    """The models to judge a run's order under: (name, the eagerly initialised groups; None: all)."""
+    if backend != "nccl":  # gloo has no communicators: the order must suit both ways NCCL runs
+        return [(LAZY_INIT, set()), (EAGER_INIT, None)]
+    return [(EAGER_INIT if eager_groups else LAZY_INIT, eager_groups)]
+
+
+def _outcome(case: Case, everyone: list[dict[str, Any]], backend: str = "gloo") -> Outcome:
     """The row every rank agrees on, from every rank's result."""
-    from ..orders.nccl_model import Deadlock, check_completes
+    from ..orders.nccl_model import Deadlock, check_completes_eager
 
     outcome = Outcome(case, seconds=max(r["seconds"] for r in everyone))
     failed = sorted((r for r in everyone if not r["ok"]), key=lambda r: r["failed_at"])
@@ -232,8 +259,16 @@ def _outcome(case: Case, everyone: list[dict[str, Any]]) -> Outcome:
         return outcome
     outcome.grad_err = max(r["grad_err"] for r in everyone)
     outcome.loss_err = max(r["loss_err"] for r in everyone)
+    outcome.graphs = [[r["rank"], s, g] for r in everyone for s, g in sorted(r.get("compiled_graphs", {}).items())]
+    models = _communicator_models(backend, set().union(*(r["eager_groups"] for r in everyone)))
+    outcome.nccl_models = [name for name, _ in models]
+    trace = {r["rank"]: r["events"] for r in everyone}
     try:
-        check_completes({r["rank"]: r["events"] for r in everyone})
+        for name, eager_groups in models:
+            try:
+                check_completes_eager(trace, eager_groups)
+            except Deadlock as err:
+                raise Deadlock(f"under NCCL {name} ({COMMUNICATOR_MODELS[name]}): {err}") from None
         outcome.order, outcome.passed = "completes", True
     except Deadlock as err:
         outcome.order, outcome.error = "would hang", str(err)
@@ -251,7 +286,7 @@ def _worker(cases: list[Case], backend: str, fault: Fault | None = None,
             mine = fault.kind if fault and (fault.case, fault.rank) == (index, dist.get_rank()) else None
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, _run_case(case, device, mine, case_timeout_s))
-            outcomes.append(asdict(_outcome(case, everyone)))
+            outcomes.append(asdict(_outcome(case, everyone, backend)))
     return outcomes
 
 
@@ -295,15 +330,27 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(o["passed"] for o in outcomes) else 1
 
 
+def _graphs_per_stage(graphs: list[list[int]]) -> str:
+    """The graphs each compiled stage built, as a range over stages ('-': nothing compiled)."""
+    counts = sorted(g for _, _, g in graphs)
+    if not counts:
+        return "-"
+    return f"{counts[0]}/stage" if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}/stage"
+
+
 def format_table(outcomes: list[dict[str, Any]], backend: str, nproc: int) -> str:
-    rows = [("schedule", "layout", "microbatches", "max grad err", "max loss err", "NCCL order", "result", "seconds")]
+    rows = [("schedule", "layout", "microbatches", "max grad err", "max loss err", "graphs", "NCCL order", "result",
+             "seconds")]
     for o in outcomes:
         case = o["case"]
         layout = Case(case["schedule"], case["pp"], case["dp"], case["n"], tuple(map(tuple, case["options"]))).layout
-        rows.append((case["schedule"], layout, str(case["n"]), f"{o['grad_err']:.2e}", f"{o['loss_err']:.2e}",
+        graphs = _graphs_per_stage(o.get("graphs", []))
+        rows.append((case["schedule"], layout, str(case["n"]), f"{o['grad_err']:.2e}", f"{o['loss_err']:.2e}", graphs,
                      o["order"] or "-", "pass" if o["passed"] else "FAIL", f"{o['seconds']:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"titan-dualpipe check: {nproc} processes, {backend}, torch {torch.__version__} ({MIN_STEPS_TOL})"]
+    for model in dict.fromkeys(m for o in outcomes for m in o.get("nccl_models", [])):
+        lines.append(f"NCCL order judged under {model}: {COMMUNICATOR_MODELS[model]}")
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for o in outcomes:
         if o["error"]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
-from .._compat import _format_pipeline_order
+from .._compat import _format_pipeline_order, compiler_fn
 from ..bench.model import TinyLM, compile_blocks, lm_loss, split_model
 from ..orders import Placement
 
@@ -69,18 +69,35 @@ def full(t: torch.Tensor) -> torch.Tensor:
 ScheduleFactory = Callable[..., Any]
 
 
+class GraphCounter:
+    """A torch.compile backend that compiles each graph as ``backend`` does and counts them: a
+    stage whose blocks run compiled builds at least one graph (none: they ran eagerly). Each
+    counter is a backend of its own, so dynamo compiles anew for it: a process gets at most
+    ``torch._dynamo.config.recompile_limit`` (8) of them per compiled code before it falls back
+    to eager, so use them in short-lived processes (``check`` runs two compiled cases each)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.graphs, self._compile = backend, 0, compiler_fn(backend)
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable[..., Any]:
+        self.graphs += 1
+        return self._compile(graph, example_inputs, **kwargs)
+
+
 def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | None, pp_rank: int, *,
                    device: torch.device | str = "cpu", perturb_twins: bool = True, fsdp_mesh: Any = None,
                    parallelize: Callable[[torch.nn.Module], None] | None = None,
                    compile_backend: str | None = None, compile_reference: bool = True,
-                   factory: ScheduleFactory | None = None, **schedule_kwargs: Any):
+                   graphs: dict[int, GraphCounter] | None = None, factory: ScheduleFactory | None = None,
+                   **schedule_kwargs: Any):
     """Reference model, this rank's two stage modules ``{stage: module}``, and the schedule.
 
     ``factory(stages, n, **kwargs)`` builds the schedule (default: our class for ``schedule``).
     DualPipe's direction-1 copies start perturbed, so the first step must make twins equal.
     ``parallelize(module)`` runs on each stage module before FSDP (tensor parallelism, say).
     ``compile_backend`` compiles the stages' blocks in place before FSDP (torchtitan's order),
-    and the reference's the same way unless ``compile_reference`` is False.
+    and the reference's the same way unless ``compile_reference`` is False. With ``graphs``, each
+    stage's blocks compile with a :class:`GraphCounter` of their own, put in ``graphs``.
     """
     device = torch.device(device)
     torch.manual_seed(0)
@@ -97,9 +114,14 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
                 p.add_(0.5)
     for module in modules.values() if parallelize is not None else ():
         parallelize(module)
-    compiled = [*modules.values(), *([full_model] if compile_reference else [])] if compile_backend else []
-    for model in compiled:
-        compile_blocks(model.layers.values(), compile_backend)
+    if compile_backend:
+        counters = {s: GraphCounter(compile_backend) for s in modules} if graphs is not None else {}
+        for s, module in modules.items():
+            compile_blocks(module.layers.values(), counters.get(s, compile_backend))  # type: ignore[arg-type]
+        if compile_reference:
+            compile_blocks(full_model.layers.values(), compile_backend)
+        if graphs is not None:
+            graphs.update(counters)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -185,18 +207,21 @@ def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup |
                       dp_index: int = 0, dp_size: int = 1, device: torch.device | str = "cpu", fsdp_mesh: Any = None,
                       scale_grads: bool = True, steps: int = 2, factory: ScheduleFactory | None = None,
                       perturb_twins: bool = True, grad_fault: float = 0.0, tolerance: Tolerance = (RTOL, ATOL),
-                      **schedule_kwargs: Any) -> dict[str, Any]:
+                      count_graphs: bool = False, **schedule_kwargs: Any) -> dict[str, Any]:
     """``steps`` training steps with Adam between, checked against the reference on every rank.
 
     Data-parallel replicas (``dp_size`` > 1, FSDP over ``fsdp_mesh``) see different batches; the
-    reference averages their gradients. Returns ``grad_err``, ``loss_err``, ``losses_checked``
-    and, for DualPipe, ``twin_parts``; raises AssertionError (the first mismatch, with the
-    order) after the last step. ``grad_fault`` is added to this rank's first gradient for
-    the comparison only, every step (tests of the failure path).
+    reference averages their gradients. Returns ``grad_err``, ``loss_err``, ``losses_checked``,
+    for DualPipe ``twin_parts`` and, with ``compile_backend`` and ``count_graphs``,
+    ``compiled_graphs`` (the graphs each stage built, see :class:`GraphCounter`; none, a stage
+    that ran eagerly, is a mismatch); raises AssertionError (the first mismatch, with the
+    order) after the last step. ``grad_fault`` is added to this rank's first gradient for the
+    comparison only, every step (tests of the failure path).
     """
+    graphs: dict[int, GraphCounter] | None = {} if count_graphs else None
     reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, device=device, fsdp_mesh=fsdp_mesh,
                                                perturb_twins=perturb_twins, factory=factory, scale_grads=scale_grads,
-                                               **schedule_kwargs)
+                                               graphs=graphs, **schedule_kwargs)
     place = placement(schedule, pp, n)
     opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -221,6 +246,12 @@ def train_and_compare(schedule: str, pp: int, n: int, group: dist.ProcessGroup |
                 o.zero_grad()
         if place.bidirectional:
             result["twin_parts"] = _compared(mismatches, lambda: twins_identical(modules, place, group))
+        if graphs:
+            result["compiled_graphs"] = {s: counter.graphs for s, counter in graphs.items()}
+            mismatches += [f"stage {s}: its blocks ran eagerly, torch.compile ({counter.backend}) built no graph "
+                           "(dynamo skipped their frames: under a dispatch mode that does not ignore compile "
+                           "internals, or past the recompile limit)"
+                           for s, counter in graphs.items() if counter.graphs == 0]
         assert not mismatches, mismatches[0]
     except AssertionError as err:
         raise AssertionError(f"{err}\n{schedule} pp={pp} n={n}, pipeline rank {pp_rank}; order:\n"

@@ -26,12 +26,20 @@ functional collectives (``torch.ops._c10d_functional``) use the process group's 
 (one FIFO per rank for all its peers); a lone ``isend``/``irecv`` uses a two-rank communicator
 per pair of ranks of the group (torch 2.13+ posts all-send or all-receive batches that way).
 :func:`check_completes` raises :class:`Deadlock` naming what every stuck rank waits for.
+
+Eager init (``init_process_group(device_id=...)``, as ``titan-dualpipe check --backend nccl``
+runs; groups made after it inherit the bound device): each group's communicator is created
+with the group, and NCCL runs a lone p2p op on it too ("unbatched P2P ops are treated as
+independent collective ops, and are thus serialized with all other ops on this ProcessGroup,
+including other P2P ops", torch's warning): one FIFO per (rank, group) for everything, no pair
+communicators and no creation at first use. :func:`eager_init` maps a trace recorded with lazy
+init's communicators onto that; :func:`check_completes_eager` checks it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterable, Sequence, Union
 
 SEND, RECV = "send", "recv"
@@ -202,9 +210,40 @@ def first_uses(trace: Trace) -> dict[int, dict[Hashable, int]]:
     return firsts
 
 
+def eager_init(trace: Trace, groups: Iterable[Hashable] | None = None) -> Trace:
+    """``trace`` (recorded with lazy init's communicators) as NCCL runs it when process groups
+    ``groups`` (default: every group) were initialised eagerly: every lone p2p op of such a group
+    moves from its pair communicator to the group's own, where it runs in issue order with every
+    other op of the group (see the module docstring)."""
+    chosen = None if groups is None else set(groups)
+
+    def comm_of(comm: Hashable) -> Hashable:
+        if _is_pair(comm) and (chosen is None or comm[1] in chosen):
+            return group_comm(comm[1])
+        return comm
+
+    return {rank: [replace(e, comm=comm_of(e.comm)) if isinstance(e, Post) else e for e in events]
+            for rank, events in trace.items()}
+
+
+def check_completes_eager(trace: Trace, groups: Iterable[Hashable] | None = None) -> int:
+    """:func:`check_completes` of ``trace`` (recorded with lazy init's communicators) under eager
+    init of ``groups`` (default: every group; none: lazy init throughout): their communicators
+    exist before the trace, any other is created at its first use."""
+    chosen = None if groups is None else set(groups)
+    remapped = eager_init(trace, chosen)
+    made = None if chosen is None else {group_comm(g) for g in chosen}
+    return check_completes(remapped, created=[c for c in communicators(remapped)
+                                              if not _is_pair(c) and (made is None or c in made)])
+
+
+def _is_pair(comm: Hashable) -> bool:
+    return isinstance(comm, tuple) and comm[:1] == ("pair",)
+
+
 def _comm_members(comm: Hashable, kernels: list[_Kernel]) -> tuple[int, ...]:
     """The ranks that create ``comm`` together (see the module docstring)."""
-    if isinstance(comm, tuple) and comm[:1] == ("pair",):
+    if _is_pair(comm):
         return tuple(sorted({comm[2], comm[3]}))
     named = {m for k in kernels for m in k.post.members}
     if named:

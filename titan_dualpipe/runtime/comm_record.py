@@ -17,6 +17,15 @@ collectives that torch calls from C++ (the autograd variants such as
 ``all_to_all_single_autograd``, an op's ``.default`` overload) are seen through a dispatch mode,
 which sees the thread that entered the recorder (and the autograd threads it starts) only.
 
+Compiled code stays compiled under the recorder: its dispatch mode lets torch.compile build
+graphs (``_FunctionalMode.ignore_compile_internals``), and does not see the ops inside a
+compiled graph (a functional collective compiled into one is not recorded).
+
+Communicators: lone p2p ops are recorded on lazy init's two-rank communicators;
+``rec.eager_groups`` names the groups whose NCCL communicator was created eagerly
+(:func:`nccl_eager_init`), on which NCCL runs them instead (pass it to
+:func:`~titan_dualpipe.orders.nccl_model.check_completes_eager`).
+
 With ``device=``, every tensor handed to a collective or p2p op must live on that device (the
 stages' device: NCCL rejects CPU tensors); a call that breaks the rule raises
 :class:`WrongDevice` before it communicates. Under ``with torch.device("meta"):`` a tensor made
@@ -118,6 +127,15 @@ def _action_label() -> str:
     return ""
 
 
+def nccl_eager_init(group: Any) -> bool:
+    """Whether NCCL created ``group``'s communicator eagerly: a device is bound to the group
+    (``init_process_group(device_id=...)`` binds it, and every group made after it inherits it,
+    its communicator created at once). Then NCCL runs the group's lone p2p ops on that
+    communicator, in issue order with all its other ops, not on two-rank communicators."""
+    pg = group if group is not None else dist.group.WORLD
+    return getattr(pg, "bound_device_id", None) is not None and "nccl" in str(dist.get_backend(pg))
+
+
 class WrongDevice(AssertionError):
     """A tensor handed to a collective or p2p op is not on the stages' device."""
 
@@ -144,6 +162,13 @@ class _FunctionalMode(TorchDispatchMode):
         super().__init__()
         self._record = record
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: torch.compile compiles under the recorder (with False, dynamo skips every frame
+        while the mode is active, so compiled blocks would run eagerly); the mode does not see
+        the ops inside a compiled graph."""
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
         if func.namespace == "_c10d_functional" and (name in _FUNCTIONAL_OPS or name == "wait_tensor"):
@@ -157,6 +182,7 @@ class CommRecorder:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
         self.events: list[Event] = []
+        self.eager_groups: set[str] = set()  # names of the groups seen whose communicator NCCL made eagerly
         self._lock = threading.RLock()
         self._local = threading.local()
         self._works: dict[int, tuple[int, Any]] = {}  # id(Work) -> (work id, the Work, kept alive)
@@ -176,6 +202,10 @@ class CommRecorder:
             if works is None:  # a blocking call: it has completed when it returns
                 self.events.append(Wait(work_id))
             return work_id
+
+    def _seen(self, group: Any) -> None:
+        if nccl_eager_init(group):
+            self.eager_groups.add(_group_name(group))
 
     def _waited(self, work: Any) -> None:
         with self._lock:
@@ -206,6 +236,7 @@ class CommRecorder:
     def _posted_functional(self, name: str, args: tuple, kwargs: dict, result: Any) -> None:
         group = _resolve(kwargs["group_name"] if "group_name" in kwargs else args[-1])
         comm, ops = _functional_ops(name, args, group)
+        self._seen(group)
         members = _members(group) if comm == group_comm(group.group_name) else ()
         with self._lock:
             work_id = self._post(comm, ops, [], members)
@@ -251,6 +282,7 @@ class CommRecorder:
                 group or c10d._get_default_group(), group_peer)
             me = dist.get_rank()
             op = P2P(kind, peer, _signature(a["tensor"]))
+            self._seen(group)
             self._post(pair_comm(_group_name(group), me, peer), (op,), None if blocking else result)
             return result
 
@@ -268,6 +300,7 @@ class CommRecorder:
                 ops = tuple(P2P(SEND if p.op in (dist.isend, c10d.isend, self._originals["isend"]) else RECV,
                                 p.peer, _signature(p.tensor)) for p in p2p_op_list)
                 group = p2p_op_list[0].group
+                self._seen(group)
                 self._post(group_comm(_group_name(group)), ops, list(works), _members(group))
             return works
 
@@ -286,6 +319,7 @@ class CommRecorder:
             group = bound.arguments.get("group")
             tensor = next((v for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
             op = Collective(name, _members(group), _signature(tensor))
+            self._seen(group)
             async_op = bound.arguments.get("async_op", False)
             self._post(group_comm(_group_name(group)), (op,), result if async_op else None, _members(group))
             return result
