@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 
+from titan_dualpipe._compat import private_thread_state
 from titan_dualpipe.overlap import relay
 from titan_dualpipe.overlap.relay import PartnerFailed, hand_over, run_relayed
 
@@ -333,3 +335,33 @@ def test_a_pair_inside_a_torch_func_transform_is_refused_before_either_half_runs
     with pytest.raises(ValueError, match=r"inside a torch\.func transform.*overlap=False"):
         torch.func.vmap(pair)(torch.ones(2))
     assert ran == [] and relay._active is None
+
+
+def test_backward_half_runs_in_the_whole_of_the_callers_private_thread_state():
+    """Every part torch keeps behind private names, as the calling thread had it when the pair
+    started: hooks, mode stacks, torch-function disabling, autograd's flags, the dispatcher's key sets."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen: list = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        stack.enter_context(torch.autograd._force_original_view_tracking(True))
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        stack.enter_context(Functions())
+        stack.enter_context(Dispatch())
+        caller = private_thread_state()
+        run_relayed(hand_over, lambda: seen.append(private_thread_state()))
+    assert seen == [caller]
+    assert caller.function_modes and caller.dispatch_modes and caller.saved_tensors_hooks is not None
+    run_relayed(hand_over, lambda: seen.append(private_thread_state()))
+    assert seen[1] == private_thread_state() != caller  # and none of it stays on the helper thread

@@ -535,6 +535,8 @@ class PrivateThreadState:
     dispatch_modes: tuple[Any, ...]  # TorchDispatchModes, innermost last
     torch_function_disabled: str | None  # "all" (``DisableTorchFunction``), "subclasses" (``...Subclass``)
     dispatch_keys: tuple[Any, Any]  # the dispatcher's local include and exclude sets
+    autograd_multithreading: bool  # ``torch.autograd.set_multithreading_enabled``
+    view_replay: bool  # ``torch.autograd._force_original_view_tracking``
     functorch_transform: bool  # inside ``torch.func`` transforms, whose interpreter stack stays on the thread
 
 
@@ -551,6 +553,8 @@ def private_thread_state() -> PrivateThreadState:
         dispatch_modes=tuple(_get_current_dispatch_mode_stack()),
         torch_function_disabled=disabled,
         dispatch_keys=(torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()),
+        autograd_multithreading=torch._C._is_multithreading_enabled(),
+        view_replay=torch._C._is_view_replay_enabled(),
         functorch_transform=torch._C._functorch.peek_interpreter_stack() is not None,
     )
 
@@ -559,8 +563,14 @@ def private_thread_state() -> PrivateThreadState:
 def private_thread_state_entered(state: PrivateThreadState) -> Iterator[None]:
     """``state`` on this thread within the block (a thread with none of its own: no hooks, no modes);
     the thread's own state after it. Enter it after the public parts (autocast, inference mode): the
-    dispatcher's key sets are forced last, to exactly the captured ones."""
+    dispatcher's key sets are forced last, to exactly the captured ones. The modes are pushed after
+    the flags and hooks are set, and popped before those are reset: a TorchFunctionMode would see
+    torch's setters (``torch._C._set_multithreading_enabled``...) as calls of its own."""
     with contextlib.ExitStack() as stack:
+        if not state.autograd_multithreading:
+            stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        if state.view_replay:
+            stack.enter_context(torch.autograd._force_original_view_tracking(True))
         if state.saved_tensors_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*state.saved_tensors_hooks))
         if state.saved_tensors_hooks_disabled is not None:

@@ -28,15 +28,16 @@ the pair raises the original exception on this rank.
 Threads: torch runs a CPU backward on the thread that calls it; with an accelerator the
 autograd work runs on its device threads, so any thread other than the forward's counts
 as the backward half. The helper thread runs in the calling thread's state as it was when
-the pair started, as torch's own autograd threads do: grad and inference mode, autocast
-(enabled and dtype for CPU and the accelerator, the cache flag), the saved-tensor hooks that
-apply (or their disabling), the TorchFunctionMode and TorchDispatchMode stacks (the mode
-objects themselves: a mode sees both halves' calls, one at a time), torch-function
-disabling, the dispatcher's local key sets, and the accelerator's current device and
-stream; it gets its own state back after each pair. A pair started inside a ``torch.func``
-transform (vmap, grad, ...), whose interpreter stack cannot move to another thread, raises
-:class:`ValueError` before either half runs. torch's profiler records only the thread that
-started it (and autograd's threads): to see the helper thread's operators, profile with
+the pair started, as torch's own autograd threads do: grad and inference mode, autograd's
+multithreading and view-replay flags, autocast (enabled and dtype for CPU and the
+accelerator, the cache flag), the saved-tensor hooks that apply (or their disabling), the
+TorchFunctionMode and TorchDispatchMode stacks (the mode objects themselves: a mode sees
+both halves' calls, one at a time), torch-function disabling, the dispatcher's local key
+sets, and the accelerator's current device and stream; it gets its own state back after
+each pair. A pair started inside a ``torch.func`` transform (vmap, grad, ...), whose
+interpreter stack cannot move to another thread, raises :class:`ValueError` before either
+half runs. torch's profiler records only the thread that started it (and autograd's
+threads): to see the helper thread's operators, profile with
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
 
 Random numbers: torch's generators (CPU's, and the accelerator's per device once it is
