@@ -365,3 +365,27 @@ def test_backward_half_runs_in_the_whole_of_the_callers_private_thread_state():
     assert caller.function_modes and caller.dispatch_modes and caller.saved_tensors_hooks is not None
     run_relayed(hand_over, lambda: seen.append(private_thread_state()))
     assert seen[1] == private_thread_state() != caller  # and none of it stays on the helper thread
+
+
+def test_the_relays_own_bookkeeping_is_out_of_the_modes_sight():
+    """Switching halves (generator states, the backward half's stream, the thread state) runs no
+    tensor call a user's mode sees: one inside a selective-checkpoint region would otherwise
+    record operations its recompute does not repeat."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list = []
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Functions(), Dispatch():
+        assert run_relayed(hand_over, hand_over).hand_overs == 2
+    assert seen == []

@@ -589,6 +589,11 @@ def private_thread_state_entered(state: PrivateThreadState) -> Iterator[None]:
         yield
 
 
+def torch_function_bypassed() -> Any:
+    """A context within which no TorchFunctionMode (nor tensor subclass) sees tensor calls: for
+    bookkeeping that must stay out of what a user's mode observes."""
+    return torch._C.DisableTorchFunction()
+
 __all__ = [
     "HAS_METADATA_VOTE",
     "PipelineStage",
@@ -638,6 +643,7 @@ __all__ = [
     "stage_backward_weight",
     "split_target",
     "stage_backward_replaced",
+    "torch_function_bypassed",
     "torch_version",
     "warm_up_neighbours",
     "wait_collective",
