@@ -56,14 +56,16 @@ def our_schedule(name: str | None) -> str | None:
 
 
 def check_job_config(job_config: Any, n_layers: int | None = None) -> Plan | None:
-    """The plan for our schedule, None for any other schedule; ValueError for a bad config.
+    """The plan for our schedule, None for any other schedule (and for DualPipe at
+    ``pipeline_parallel_degree`` 1, which torchtitan runs without a pipeline); ValueError for a bad
+    config. DualPipeV at degree 1 gets a plan: its two stages on one rank.
 
     ``n_layers``: the model's layer count, for the stage-split checks (skipped when None).
     """
     par = job_config.parallelism
     schedule = our_schedule(par.pipeline_parallel_schedule)
-    if schedule is None or par.pipeline_parallel_degree <= 1:
-        return None
+    if schedule is None or (par.pipeline_parallel_degree <= 1 and schedule != "DualPipeV"):
+        return None  # torchtitan does not pipeline; DualPipeV at degree 1 is a V on one rank (titan.pipeline)
     pp = par.pipeline_parallel_degree
     plan = Plan(schedule, pp, _microbatches(job_config, schedule))
     _check_schedule_requirements(plan, job_config)

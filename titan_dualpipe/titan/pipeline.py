@@ -50,8 +50,47 @@ class ActiveRun:
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
     expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
 
+    @property
+    def one_rank_v(self) -> bool:
+        """DualPipeV at ``pipeline_parallel_degree`` 1: both stages of the V on each rank."""
+        return self.plan is not None and self.plan.schedule == "DualPipeV" and self.plan.pp == 1
+
 
 ACTIVE = ActiveRun()
+
+
+def pipelines_one_rank_v(parallel_dims: Any) -> bool:
+    """Whether torchtitan's ``parallel_dims`` (pipeline degree 1) must pipeline anyway: a one-rank V."""
+    return ACTIVE.one_rank_v and parallel_dims.pp == 1
+
+
+def _make_pp_enabled(original: Callable[[Any], bool]) -> property:
+    def pp_enabled(self: Any) -> bool:
+        return original(self) or pipelines_one_rank_v(self)
+
+    return property(pp_enabled)
+
+
+def _make_mesh_exist(original: Callable[..., bool]) -> Callable[..., bool]:
+    def _mesh_exist(self: Any, name: str, degree: int) -> bool:
+        return original(self, name, degree) or (name == "pp" and pipelines_one_rank_v(self))
+
+    return _mesh_exist
+
+
+def install_one_rank_v() -> None:
+    """torchtitan builds a pipeline only for ``pipeline_parallel_degree`` > 1 (``ParallelDims.pp_enabled``)
+    and gives degree-1 dimensions a placeholder mesh without a process group. For a one-rank V
+    (DualPipeV at degree 1: stages 0 and 1 on each rank) both say otherwise: the trainer takes its
+    pipeline path (``pipeline_llm``, then our schedule), over a "pp" group of one rank. Every other
+    config keeps torchtitan's answers. Idempotent."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    if getattr(ParallelDims, "_titan_dualpipe_one_rank_v", False):
+        return
+    ParallelDims.pp_enabled = _make_pp_enabled(ParallelDims.pp_enabled.fget)
+    ParallelDims._mesh_exist = _make_mesh_exist(ParallelDims._mesh_exist)
+    ParallelDims._titan_dualpipe_one_rank_v = True
 
 
 def schedule_class(name: str) -> type:
@@ -205,7 +244,7 @@ def make_build_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     def build_pipeline_schedule(job_config: Any, stages: list, loss_fn: Callable) -> Any:
         par = job_config.parallelism
         ours = our_schedule(par.pipeline_parallel_schedule)
-        if ours is None or par.pipeline_parallel_degree <= 1:
+        if ours is None or (par.pipeline_parallel_degree <= 1 and not ACTIVE.one_rank_v):
             return _startable_on_gloo(original(job_config, stages, loss_fn), stages)
         return build_schedule(ours, par, job_config.training.local_batch_size, stages, loss_fn)
 
@@ -218,7 +257,7 @@ def make_build_schedule_030(original: Callable[..., Any]) -> Callable[..., Any]:
     def _build_pipeline_schedule(*, parallelism: Any, local_batch_size: int, stages: list, loss_fn: Callable,
                                  **kwargs: Any) -> Any:
         ours = our_schedule(parallelism.pipeline_parallel_schedule)
-        if ours is None or parallelism.pipeline_parallel_degree <= 1:
+        if ours is None or (parallelism.pipeline_parallel_degree <= 1 and not ACTIVE.one_rank_v):
             return _startable_on_gloo(original(parallelism=parallelism, local_batch_size=local_batch_size,
                                                stages=stages, loss_fn=loss_fn, **kwargs), stages)
         return build_schedule(ours, parallelism, local_batch_size, stages, _scalar_loss(loss_fn))
@@ -248,6 +287,7 @@ def install() -> None:
     from torchtitan.distributed import pipeline_parallel as pp_mod
 
     fold.install()
+    install_one_rank_v()
     if not GEN.registry:
         from torchtitan.distributed import dual_pipe_v
 
