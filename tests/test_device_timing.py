@@ -301,3 +301,29 @@ def test_bench_titan_charges_the_count_exchange_wait_on_the_cpu(fake_gpu, monkey
     [step], [exposed] = record.step_s, record.exposed_s
     assert wait_s <= exposed <= step < wait_s + 0.04
     assert (fake_gpu.recorded, fake_gpu.syncs) == (0, 0)
+
+
+# -- bench compile: full and split backwards on the device ---------------------------------------
+def test_bench_compile_times_full_and_split_backwards_with_events(world_of_one, fake_gpu, monkeypatch):
+    """``bench compile --device cuda``: the full backward and torch's I and W are spans of CUDA
+    events on the stage's device (each variant's marks resolved with one synchronize), as its
+    runtime variant's timeline is; the host clock would time the kernel launches."""
+    from titan_dualpipe.bench import compile as bench_compile
+
+    cfg = dict(model="mlp", blocks=1, dim=8, tokens=8, seq=4, microbatches=2, rounds=1, backend="aot_eager",
+               threads=1, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    batch, target = torch.randn(4, 4, 8, generator=g), torch.randn(4, 4, 8, generator=g)
+    kind = bench_compile._Kind("eager", cfg, batch, target)
+    devices = []
+
+    def on_cuda(device: torch.device):
+        devices.append(device)
+        return clock_for(torch.device("cuda", 0))
+
+    monkeypatch.setattr(bench_compile, "clock_for", on_cuda)
+    monkeypatch.setattr(timeline, "time", types.SimpleNamespace(perf_counter=_no_host_clock))
+    tick = TICK_MS / 1e3
+    assert kind.full() == pytest.approx((tick, 0.0, 0.0))  # per microbatch: backward start, end
+    assert kind.torch_split() == pytest.approx((2 * tick, tick, tick))  # start, between I and W, end
+    assert devices == [kind.device, kind.device] and fake_gpu.syncs == 2

@@ -16,6 +16,9 @@ Compiled and eager (the control: there the runtime splits the backward as torch 
 measured in paired, interleaved rounds; ratios are taken within a round, then their medians
 over rounds are printed. Each variant's compiled backward calls per microbatch are counted
 once more after the timed rounds (profiler event ``CompiledFunctionBackward``).
+
+``--device cuda`` measures on the GPU (a one-rank NCCL group; every time from CUDA events on the
+compute stream, resolved once per variant and round, as the runtime's timeline is on a GPU).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import contextlib
 import copy
 import json
 import statistics
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -36,9 +38,11 @@ from torch.profiler import record_function
 
 from .._compat import donated_buffers_off
 from ..cli import HelpFormatter
+from ..runtime.timeline import clock_for, span_seconds
 from .model import Block, compile_blocks
 
 MODELS = ("mlp", "tinylm")
+DEVICES = ("cpu", "cuda")
 BACKENDS = ("inductor", "aot_eager")
 KINDS = ("compiled", "eager")
 VARIANTS = ("full", "runtime", "torch split")
@@ -59,6 +63,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=7, help="paired rounds")
     p.add_argument("--backend", default="inductor", help=f"torch.compile backend: {' or '.join(BACKENDS)}")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help=f"{' or '.join(DEVICES)}: where the stage computes")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.set_defaults(func=run)
 
@@ -89,6 +94,11 @@ def check_config(cfg: dict) -> None:
                          f"give --tokens {max(1, cfg['tokens'] // cfg['seq']) * cfg['seq']} or another --seq")
     if cfg["model"] == "tinylm" and cfg["dim"] % 4:
         raise ValueError(f"--dim {cfg['dim']}: TinyLM blocks have 4 heads, give a multiple of 4")
+    device = cfg.get("device", "cpu")
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r}: give one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here; give --device cpu")
 
 
 def _blocks(cfg: dict) -> nn.Sequential:
@@ -101,12 +111,16 @@ def _blocks(cfg: dict) -> nn.Sequential:
 
 
 @contextlib.contextmanager
-def one_rank_group() -> Iterator[None]:
-    """This process as a gloo group of one rank, unless it already has a group."""
+def one_rank_group(device: torch.device = torch.device("cpu")) -> Iterator[None]:
+    """This process as a group of one rank (gloo; NCCL for a CUDA device), unless it already has a group."""
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
@@ -128,15 +142,14 @@ def _io_order(n: int) -> dict[int, list]:
     return {0: actions}
 
 
-def _io_pipeline(head: nn.Module, stage: nn.Module, n: int) -> Any:
+def _io_pipeline(head: nn.Module, stage: nn.Module, n: int, device: torch.device = torch.device("cpu")) -> Any:
     """Our one-rank ``ScheduleDualPipeV`` over ``head`` (stage 0) and ``stage`` (stage 1), recording
     its timeline and running :func:`_io_order`: every microbatch's I and W of stage 1 are actions."""
     from torch.distributed.pipelining import PipelineStage
 
     from .. import ScheduleDualPipeV
 
-    cpu = torch.device("cpu")
-    stages = [PipelineStage(head, 0, 2, cpu), PipelineStage(stage, 1, 2, cpu)]
+    stages = [PipelineStage(head, 0, 2, device), PipelineStage(stage, 1, 2, device)]
     pipeline = ScheduleDualPipeV(stages, n, loss_fn=_loss, record_timeline=True, overlap=False)
     pipeline.pipeline_order = _io_order(n)
     pipeline._prepare_schedule_with_comms(pipeline.pipeline_order)  # our own lowering of an order
@@ -148,9 +161,10 @@ class _Kind:
 
     def __init__(self, kind: str, cfg: dict, batch: torch.Tensor, target: torch.Tensor) -> None:
         self.kind, self.cfg, self.n = kind, cfg, cfg["microbatches"]
-        self.batch, self.target = batch, target
+        self.device = torch.device(cfg.get("device", "cpu"))
+        self.batch, self.target = batch.to(self.device), target.to(self.device)
         compiled = kind == "compiled"
-        self.stage = _blocks(cfg)
+        self.stage = _blocks(cfg).to(self.device)
         self.split_copy = copy.deepcopy(self.stage)
         self.split_scope = donated_buffers_off if compiled else contextlib.nullcontext
         if compiled:
@@ -158,8 +172,8 @@ class _Kind:
             with self.split_scope():
                 compile_blocks(self.split_copy, cfg["backend"])
         torch.manual_seed(1)
-        self.head = nn.Linear(cfg["dim"], cfg["dim"])  # stage 0: eager, so stage 1's input needs a gradient
-        self.pipeline = _io_pipeline(self.head, self.stage, self.n)
+        self.head = nn.Linear(cfg["dim"], cfg["dim"]).to(self.device)  # stage 0: eager, so stage 1's input needs a gradient
+        self.pipeline = _io_pipeline(self.head, self.stage, self.n, self.device)
 
     def _microbatches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         rows = self.batch.shape[0] // self.n
@@ -170,13 +184,13 @@ class _Kind:
     def full(self) -> Sample:
         """Mean seconds per microbatch of a plain full backward: (full, 0, 0)."""
         self.stage.zero_grad(set_to_none=True)
-        total = 0.0
+        clock, spans = clock_for(self.device), []
         for h, y in self._microbatches():
             loss = _loss(self.stage(h), y)
-            start = time.perf_counter()
+            start = clock.mark()
             loss.backward()
-            total += time.perf_counter() - start
-        return total / self.n, 0.0, 0.0
+            spans.append((start, clock.mark()))
+        return sum(end - start for start, end in span_seconds(clock, spans)) / self.n, 0.0, 0.0
 
     def runtime(self) -> Sample:
         """Mean seconds per microbatch of stage 1's I and W actions in one pipeline step: (I + W, I, W)."""
@@ -199,17 +213,19 @@ class _Kind:
 
         module = self.split_copy
         module.zero_grad(set_to_none=True)
-        i = w = 0.0
+        clock, spans = clock_for(self.device), []
         with self.split_scope():
             for h, y in self._microbatches():
                 loss = _loss(module(h), y)
-                start = time.perf_counter()
+                start = clock.mark()
                 with record_function(SPLIT_RANGES["I"]):
                     _, groups = stage_backward_input([loss], None, [h], module.parameters())
-                middle = time.perf_counter()
+                middle = clock.mark()
                 with record_function(SPLIT_RANGES["W"]):
                     stage_backward_weight(module.parameters(), groups)
-                i, w = i + middle - start, w + time.perf_counter() - middle
+                spans += [(start, middle), (middle, clock.mark())]
+        seconds = [end - start for start, end in span_seconds(clock, spans)]
+        i, w = sum(seconds[0::2]), sum(seconds[1::2])
         return (i + w) / self.n, i / self.n, w / self.n
 
     def variant(self, name: str) -> Callable[[], Sample]:
@@ -312,7 +328,7 @@ def measure(cfg: dict) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
     try:
-        with one_rank_group():
+        with one_rank_group(torch.device(cfg.get("device", "cpu"))):
             g = torch.Generator().manual_seed(2)
             rows = cfg["tokens"] // cfg["seq"]
             shape = (rows * cfg["microbatches"], cfg["seq"], cfg["dim"])
@@ -333,7 +349,7 @@ def _fmt(value: float | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg = {k: getattr(args, k) for k in ("model", "blocks", "dim", "tokens", "seq", "microbatches", "rounds",
-                                         "backend", "threads")}
+                                         "backend", "threads", "device")}
     result = measure(cfg)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -345,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
 def print_table(result: dict) -> None:
     """The rows of :func:`measure` as a table, one line per (kind, variant) besides the full backwards."""
     cfg = result["config"]
-    print(f"torch {result['torch']}, backend {cfg['backend']}, {cfg['blocks']} {cfg['model']} blocks, "
+    print(f"torch {result['torch']} on {cfg.get('device', 'cpu')}, backend {cfg['backend']}, {cfg['blocks']} {cfg['model']} blocks, "
           f"dim {cfg['dim']}, "
           f"{cfg['tokens']} tokens (seq {cfg['seq']}) per microbatch, {cfg['threads']} thread(s); per microbatch, "
           f"medians of {cfg['rounds']} paired rounds x {cfg['microbatches']} microbatches")
