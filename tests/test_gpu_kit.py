@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -18,7 +19,7 @@ from titan_dualpipe.cli import build_parser, main
 from titan_dualpipe.torchtitan_version import REGISTRY_RELEASES, installed
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ["tests/gpu", "check", "bench overlap", "train", "bench titan"]
+NAMES = ["tests/gpu", "check", "bench overlap", "bench compile", "train", "bench titan"]
 
 
 def _dry_run(capsys, *extra: str) -> list[tuple[str, list[str]]]:
@@ -46,10 +47,46 @@ def test_dry_run_subcommands_parse_with_our_command_line(capsys):
     commands = [(name, argv) for name, argv in _dry_run(capsys) if argv[2] == "titan_dualpipe"]
     parsed = {name: build_parser().parse_args(argv[3:]) for name, argv in commands}
     assert list(parsed) == NAMES[1:]
-    check, overlap = parsed["check"], parsed["bench overlap"]
+    check, overlap, split = parsed["check"], parsed["bench overlap"], parsed["bench compile"]
     assert (check.command, check.nproc, check.backend, check.json) == ("check", 1, "nccl", True)
     assert (overlap.kind, overlap.device, overlap.pp, overlap.ep, overlap.json) == ("overlap", "cuda", 1, 1, True)
+    assert (split.kind, split.device, split.json) == ("compile", "cuda", True)
     assert parsed["train"].command == "train" and parsed["bench titan"].kind == "titan"
+
+
+def test_dry_run_bench_compile_options_pass_its_checks(capsys):
+    """The (I+W)/full part's sizes are valid ``bench compile`` options (the CUDA check aside)."""
+    from titan_dualpipe.bench.compile import check_config
+
+    (_, argv), = _dry_run(capsys, "--parts", "bench compile")
+    args = build_parser().parse_args(argv[3:])
+    cfg = {key: getattr(args, key) for key in ("model", "blocks", "dim", "tokens", "seq", "microbatches", "rounds",
+                                               "backend", "threads")}
+    check_config({**cfg, "device": "cpu"})
+    assert args.device == "cuda" and args.backend == "inductor"
+
+
+def test_train_and_bench_titan_run_our_dualpipev_on_one_rank(capsys):
+    """One GPU is one rank: both torchtitan parts run DualPipeV at pipeline degree 1 (the V's two
+    stages on that rank) and pass only when the output shows our schedule ran."""
+    for name, argv in _dry_run(capsys, "--parts", "train,bench titan"):
+        config, overrides = _torchtitan_overrides(name, argv)
+        assert overrides[overrides.index("--parallelism.pipeline_parallel_degree") + 1] == "1"
+        assert Path(config).stem == gpu_kit.TRAIN_NAME == "debug_dualpipev"  # its schedule is DualPipeV
+    parts = {p.name: p for p in gpu_kit.parts(Path("logs"))}
+    titan = build_parser().parse_args(list(parts["bench titan"].argv[3:]))
+    assert bench_titan_schedules(titan) == ["DualPipeV"]
+    log = "[rank0]:[titan] 2026-01-01 - root - INFO - Using titan_dualpipe DualPipeV with 8 microbatches and 2 stages"
+    assert all(re.search(pattern, log) for pattern in parts["train"].must_show)
+    assert not any(re.search(pattern, log.replace("2 stages", "4 stages")) for pattern in parts["train"].must_show)
+    assert all(re.search(pattern, json.dumps({"phases": {"DualPipeV": {"compute": 0.1}}}, indent=2))
+               for pattern in parts["bench titan"].must_show)
+
+
+def bench_titan_schedules(args) -> list[str]:
+    from titan_dualpipe.bench import titan as bench_titan
+
+    return [v.label for v in bench_titan._check(bench_titan.split_arguments(args))]
 
 
 def _torchtitan_overrides(name: str, argv: list[str]) -> tuple[str, list[str]]:
@@ -77,7 +114,8 @@ def test_dry_run_torchtitan_runs_name_a_shipped_config_and_valid_overrides(capsy
         config, overrides = _torchtitan_overrides(name, argv)
         assert (ROOT / config).is_file()
         job = ConfigManager().parse_args(["--job.config_file", str(ROOT / config), *overrides])
-        assert job.parallelism.pipeline_parallel_degree == 1  # one GPU is one rank: no pipeline
+        assert job.parallelism.pipeline_parallel_degree == 1  # one GPU is one rank: a one-rank V
+        assert job.parallelism.pipeline_parallel_schedule == "DualPipeV"
         assert job.experimental.custom_import == "titan_dualpipe.titan"
 
 
@@ -129,7 +167,8 @@ def test_key_figures_from_each_part():
             "\x1b[35mmfu: 0.01%\x1b[39m")
     log = "\n".join("[rank0]:[titan] 2026-01-01 - root - INFO - " + ansi.format(s=s, l=l, t=t)
                     for s, l, t in ((1, "8.13", "1,096"), (20, "5.02", "98,765")))
-    assert gpu_kit.train_figures(log) == "loss 8.13 (step 1) -> 5.02 (step 20); tps 98,765; memory 0.83GiB(3.52%)"
+    assert gpu_kit.train_figures(log) == ("no DualPipeV built; loss 8.13 (step 1) -> 5.02 (step 20); tps 98,765; "
+                                          "memory 0.83GiB(3.52%)")
     assert gpu_kit.pytest_figures("....\n==== 18 passed, 1 warning in 80.10s (0:01:20) ====\n") \
         == "18 passed, 1 warning in 80.10s (0:01:20)"
     cases = {"cases": [{"passed": True, "grad_err": 2e-8, "loss_err": 4e-7}, {"passed": False, "grad_err": 1e-3,
@@ -146,6 +185,38 @@ def test_key_figures_from_each_part():
     assert gpu_kit.bench_titan_figures(json.dumps(titan, indent=2)) == (
         "50.0 ms/step, 20480 tokens/s, exposed comm 0.00 ms; phases ms: clip 1.0, optimizer 2.0, other 47.0 "
         "(CUDA events)")
+
+
+def test_train_figures_name_the_one_rank_v():
+    line = "[rank0]:[titan] 2026-01-01 - root - INFO - step: {s}  loss: {l}  grad_norm: 1.3  memory: 0.8GiB(3%)  tps: 9,876"
+    steps = "\n".join(line.format(s=s, l=l) for s, l in ((1, "8.13"), (20, "5.02")))
+    built = "[rank0]:[titan] 2026-01-01 - root - INFO - Using titan_dualpipe DualPipeV with 8 microbatches and 2 stages\n"
+    assert gpu_kit.train_figures(built + steps) == (
+        "DualPipeV, 2 stages on one rank, 8 microbatches; loss 8.13 (step 1) -> 5.02 (step 20); tps 9,876; memory 0.8GiB(3%)")
+    assert gpu_kit.train_figures(steps).startswith("no DualPipeV built; loss 8.13")
+
+
+def test_compile_figures_give_i_plus_w_over_full():
+    """``bench compile --json`` as the kit's (I+W)/full figures (sample output of its structure)."""
+    rows = [{"kind": "compiled", "variant": "full", "full_s": 0.010, "ratio_to_full": 1.0},
+            {"kind": "compiled", "variant": "runtime", "full_s": 0.010, "ratio_to_full": 1.012},
+            {"kind": "compiled", "variant": "torch split", "full_s": 0.010, "error": "RuntimeError: no"},
+            {"kind": "eager", "variant": "full", "full_s": 0.0125, "ratio_to_full": 1.0},
+            {"kind": "eager", "variant": "runtime", "full_s": 0.0125, "ratio_to_full": 1.1},
+            {"kind": "eager", "variant": "torch split", "full_s": 0.0125, "ratio_to_full": 1.094}]
+    out = "compiling\n" + json.dumps({"rows": rows, "torch": "2.11.0", "config": {"device": "cuda"}}, indent=2)
+    assert gpu_kit.compile_figures(out) == (
+        "(I+W)/full: compiled runtime 1.01x, compiled torch split cannot run, eager runtime 1.10x, "
+        "eager torch split 1.09x; full backward ms per microbatch: compiled 10.00, eager 12.50 (cuda)")
+
+
+def test_a_part_that_does_not_show_what_it_must_fails(tmp_path):
+    part = gpu_kit.Part("train", (sys.executable, "-c", "print('trained without a pipeline')"), 60, "proves",
+                        gpu_kit.train_figures, must_show=(gpu_kit.ONE_RANK_V_LOG,))
+    outcome = gpu_kit.run_part(part, tmp_path)
+    assert outcome.returncode == 0 and not outcome.passed and outcome.missing == (gpu_kit.ONE_RANK_V_LOG,)
+    assert outcome.status.startswith("FAIL (did not show Using titan_dualpipe DualPipeV")
+    assert "trained without a pipeline" in outcome.tail
 
 
 # -- running parts: pass, fail, hang ------------------------------------------------------------

@@ -3,23 +3,29 @@ in one command, written up as a short Markdown report.
 
 Parts (``--dry-run`` prints their command lines):
 
-- ``tests/gpu``: the GPU test suite (pytest), NCCL in a group of one rank;
+- ``tests/gpu``: the GPU test suite (pytest), NCCL in a group of one rank: DualPipeV's two
+  stages on one rank, overlapped pairs (protocol and relay), two-batch overlap splitting its lone
+  microbatches (the MoE module's emulated exchanges, counted), FSDP2, CSV orders, device timing;
 - ``check``: ``check --nproc 1 --backend nccl --compile inductor``, the numerics suite (with
   inductor-compiled blocks too);
 - ``bench overlap``: ``bench overlap --device cuda --pp 1 --ep 1 --compile inductor``, the
   overlap benchmark (compiled rows too);
-- ``train``: torchtitan trains the llama3 debug model on the GPU. NCCL refuses two ranks on one
-  GPU, so one GPU is one rank, and torchtitan builds a pipeline schedule only when
-  ``pipeline_parallel_degree`` > 1: no torchtitan run of DualPipe or DualPipeV fits one GPU. The
-  closest valid layout is ``debug_dualpipev`` with ``pipeline_parallel_degree`` 1 (this package
-  loaded into the trainer, no pipeline). Our schedules on the GPU, DualPipeV's two stages on one
-  rank, are ``tests/gpu`` and ``check``;
-- ``bench titan``: the same one-GPU run under ``bench titan``: its step, phases and exposed
-  communication timed with CUDA events.
+- ``bench compile``: ``bench compile --device cuda``, a stage's backward split into I and W
+  against its full backward, eager and inductor-compiled: (I+W)/full on the GPU;
+- ``train``: torchtitan trains the llama3 debug model through our DualPipeV on one GPU. NCCL
+  refuses two ranks on one GPU, so one GPU is one rank: ``pipeline_parallel_degree`` 1, where
+  DualPipeV is a V of two stages on that rank (torchtitan itself pipelines only above 1; the
+  adapter builds this V, :func:`titan_dualpipe.titan.pipeline.install_one_rank_v`). The part
+  fails unless the trainer logged our schedule with its two stages;
+- ``bench titan``: the same one-GPU V under ``bench titan``: its step, phases (our executor's
+  compute among them) and exposed communication timed with CUDA events.
 
 Each part runs as a subprocess in a session of its own, with a timeout: a hang stops that part
-(its process group is terminated) and the next part runs. Output goes to ``REPORT_logs/``.
-The exit status is 1 when any part failed. Without CUDA the command says so and exits 2.
+(its process group is terminated) and the next part runs. A part passes when it exits 0 and its
+output shows what it must (``Part.must_show``). Output goes to ``REPORT_logs/``. The exit status
+is 1 when any part failed. Without CUDA the command says so and exits 2. The parts' timeouts add
+up to more than one 10-minute session; ``--parts`` runs a subset, e.g. ``tests/gpu,check,bench
+overlap`` then ``bench compile,train,bench titan``.
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ from .torchtitan_version import REGISTRY_RELEASES, installed
 
 ROOT = Path(__file__).resolve().parent.parent  # tests/gpu and train_configs/ are relative to the checkout
 TRAIN_NAME = "debug_dualpipev"  # a shipped config: its TOML for 0.2.2, a config_registry function for 0.3.0
-ONE_RANK = ("--parallelism.pipeline_parallel_degree", "1")
+ONE_RANK = ("--parallelism.pipeline_parallel_degree", "1")  # DualPipeV's two stages on the one rank
 TRAIN_STEPS = 20
+# what the trainer logs when it built our DualPipeV as a V of two stages on one rank (titan.pipeline)
+ONE_RANK_V_LOG = r"Using titan_dualpipe DualPipeV with (\d+) microbatches and 2 stages"
 TAIL_LINES = 20  # of a failed part's output, in the report
 STOP_GRACE_S = 40  # after SIGTERM: torchrun's agent stops its workers, then everything gets SIGKILL
 CPU_STAND_IN_ENV = "TITAN_DUALPIPE_GPU_TESTS_ON_CPU"  # tests/gpu on the CPU: never in the kit
@@ -56,6 +64,7 @@ class Part:
     timeout_s: int
     proves: str  # one line in the report
     figures: Callable[[str], str]  # key figures from its stdout then stderr; may raise (the report says so)
+    must_show: tuple[str, ...] = ()  # regular expressions its output must match to pass
 
 
 @dataclass(frozen=True)
@@ -66,16 +75,19 @@ class Outcome:
     figures: str
     tail: str  # the end of its output when it failed
     log: str  # where its stdout and stderr are
+    missing: tuple[str, ...] = ()  # the part's must_show patterns its output did not match
 
     @property
     def passed(self) -> bool:
-        return self.returncode == 0
+        return self.returncode == 0 and not self.missing
 
     @property
     def status(self) -> str:
         if self.returncode is None:
             return f"FAIL (timed out after {self.part.timeout_s} s)"
-        return "pass" if self.passed else f"FAIL (exit {self.returncode})"
+        if self.returncode != 0:
+            return f"FAIL (exit {self.returncode})"
+        return f"FAIL (did not show {', '.join(self.missing)})" if self.missing else "pass"
 
 
 # -- key figures of each part, from its output ---------------------------------------------------
@@ -110,10 +122,14 @@ def overlap_figures(out: str) -> str:
 
 
 def train_figures(out: str) -> str:
-    """First and last logged loss, and the last step's throughput and memory (torchtitan's log)."""
-    steps = re.findall(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?memory:\s*(\S+).*?tps:\s*([\d,]+)", ANSI.sub("", out))
+    """The schedule torchtitan built (our one-rank V, when it did), the first and last logged
+    loss, and the last step's throughput and memory (torchtitan's log)."""
+    text = ANSI.sub("", out)
+    steps = re.findall(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?memory:\s*(\S+).*?tps:\s*([\d,]+)", text)
     (first, first_loss, _, _), (last, last_loss, memory, tps) = steps[0], steps[-1]
-    return f"loss {first_loss} (step {first}) -> {last_loss} (step {last}); tps {tps}; memory {memory}"
+    built = re.search(ONE_RANK_V_LOG, text)
+    schedule = f"DualPipeV, 2 stages on one rank, {built.group(1)} microbatches; " if built else "no DualPipeV built; "
+    return f"{schedule}loss {first_loss} (step {first}) -> {last_loss} (step {last}); tps {tps}; memory {memory}"
 
 
 def bench_titan_figures(out: str) -> str:
@@ -122,6 +138,16 @@ def bench_titan_figures(out: str) -> str:
     phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in result["phases"][label].items())
     return (f"{s['step_time'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tokens/s, exposed comm "
             f"{s['exposed_comm'] * 1e3:.2f} ms; phases ms: {phases} (CUDA events)")
+
+
+def compile_figures(out: str) -> str:
+    """(I+W)/full of each split variant, eager and compiled, and the full backward they divide by."""
+    rows = _json_object(out)["rows"]
+    device = _json_object(out)["config"].get("device", "cpu")
+    ratios = [f"{r['kind']} {r['variant']} " + (f"{r['ratio_to_full']:.2f}x" if "error" not in r else "cannot run")
+              for r in rows if r["variant"] != "full"]
+    full = ", ".join(f"{r['kind']} {r['full_s'] * 1e3:.2f}" for r in rows if r["variant"] == "full")
+    return f"(I+W)/full: {', '.join(ratios)}; full backward ms per microbatch: {full} ({device})"
 
 
 # -- the parts ----------------------------------------------------------------------------------
@@ -137,22 +163,27 @@ def parts(logs: Path) -> list[Part]:
     config = (shipped_config(TRAIN_NAME, _registry()),)
     return [
         Part("tests/gpu", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"), 600,
-             "schedules, overlapped pairs (protocol, relay, AC), FSDP2, CSV orders, device checks and timing, "
-             "NCCL on one rank", pytest_figures),
+             "schedules, overlapped pairs (protocol, relay, AC), two-batch overlap splitting on one rank (counted), "
+             "FSDP2, CSV orders, device checks and timing, NCCL on one rank", pytest_figures),
         Part("check", _cli("check", "--nproc", "1", "--backend", "nccl", "--compile", "inductor", "--json"), 420,
              "the numerics suite against a non-pipelined reference, NCCL order (blocks compiled too)", check_figures),
         Part("bench overlap", _cli("bench", "overlap", "--device", "cuda", "--pp", "1", "--ep", "1",
                                    "--compile", "inductor", "--json"), 420,
              "MoE all-to-all overlap in DualPipeV pairs (emulated network: a sleep kernel on a side stream)",
              overlap_figures),
+        Part("bench compile", _cli("bench", "compile", "--device", "cuda", "--blocks", "4", "--dim", "1024",
+                                   "--tokens", "8192", "--seq", "512", "--microbatches", "4", "--rounds", "5",
+                                   "--json"), 300,
+             "a stage's backward split into I and W against its full backward on the GPU, eager and "
+             "inductor-compiled (our runtime runs a compiled stage's backward whole at I)", compile_figures),
         Part("train", _cli("train", *config, "--nproc", "1", *ONE_RANK, "--training.steps", str(TRAIN_STEPS),
                            dump_folder_flag(_registry()), str(logs / "train_dump")), 420,
-             "torchtitan trains the llama3 debug model with this package loaded (pp 1: no pipeline fits one GPU)",
-             train_figures),
-        Part("bench titan", _cli("bench", "titan", *config, "--nproc", "1", "--comm-ratio", "0", "--schedules", "1F1B",
-                                 "--rounds", "1", "--steps", "6", "--warmup", "2", "--json", *ONE_RANK), 420,
-             "bench titan's device timing (pp 1: every schedule runs the same unpipelined step)",
-             bench_titan_figures),
+             "torchtitan trains the llama3 debug model through our DualPipeV: pp 1, the V's two stages on one GPU",
+             train_figures, must_show=(ONE_RANK_V_LOG,)),
+        Part("bench titan", _cli("bench", "titan", *config, "--nproc", "1", "--comm-ratio", "0", "--schedules",
+                                 "DualPipeV", "--rounds", "1", "--steps", "6", "--warmup", "2", "--json", *ONE_RANK),
+             420, "bench titan's device timing of our one-rank DualPipeV (CUDA events, our executor's phases)",
+             bench_titan_figures, must_show=(r'"compute": ',)),
     ]
 
 
@@ -191,8 +222,9 @@ def run_part(part: Part, logs: Path) -> Outcome:
         figures = part.figures(output)
     except Exception as err:  # noqa: BLE001 - missing figures are reported, not raised
         figures = f"(no figures: {type(err).__name__})"
-    tail = "" if code == 0 else _tail(output)
-    return Outcome(part, code, seconds, figures, tail, f"{out_path} / {err_path.name}")
+    missing = tuple(pattern for pattern in part.must_show if not re.search(pattern, ANSI.sub("", output)))
+    tail = "" if code == 0 and not missing else _tail(output)
+    return Outcome(part, code, seconds, figures, tail, f"{out_path} / {err_path.name}", missing)
 
 
 def _env() -> dict[str, str]:
@@ -288,6 +320,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("report", nargs="?", default=None, help="where to write the Markdown report")
     p.add_argument("--parts", default=None, help="comma-separated subset of: tests/gpu, check, bench overlap, "
-                                                 "train, bench titan (default: all)")
+                                                 "bench compile, train, bench titan (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the commands it would run, run nothing")
     p.set_defaults(func=run)

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
@@ -29,9 +30,11 @@ from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import lower
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
+from titan_dualpipe.orders.two_batch import lone_forwards
 from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm
-from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_parallel, split_parts
 from titan_dualpipe.runtime.comm_record import CommRecorder
+from titan_dualpipe.runtime.halves import register_exchange_rule
 
 ON_CPU = os.environ.get("TITAN_DUALPIPE_GPU_TESTS_ON_CPU") == "1"
 pytestmark = pytest.mark.skipif(not (ON_CPU or torch.cuda.is_available()),
@@ -132,23 +135,48 @@ def test_overlap_on_and_off_are_bitwise_equal():
 
 
 class _Relayed(MoETransformer):
+    """The MoE module without its protocol: pairs and two-batch halves run as a relay."""
+
     overlapped_forward_backward = None
+    overlapped_halves_forward = None
+    overlapped_halves_backward = None
 
 
-def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int):
+@dataclass(eq=False)
+class _OneRankExchanges(ExpertParallelComm):
+    """The MoE module's exchanges on one rank, each paying the emulated network: exchanges worth
+    hiding, which two-batch overlap splits for (the package's own rule asks for a second expert-
+    parallel rank). Records each posted exchange's slots per expert and direction."""
+
+    posts: list = field(default_factory=list)
+
+    def post(self, x: torch.Tensor, backward: bool = False):
+        if not x.is_meta:
+            self.posts.append((x.shape[2], backward))
+        return super().post(x, backward)
+
+
+def _emulated_on_one_rank(module: nn.Module) -> bool:
+    return any(isinstance(m, MoE) and isinstance(m.comm, _OneRankExchanges) for m in module.modules())
+
+
+register_exchange_rule(_emulated_on_one_rank)  # only this module's exchanges match it
+
+
+def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int, two_batch: bool = False):
     """The MoE module on both stages of one rank; every exchange costs 0.5 ms of emulated network
     (on the GPU: a sleep kernel on a side stream), so pairs interleave at real waits."""
     torch.manual_seed(0)
     reference = module_cls(MOE, activation_checkpoint=checkpoint)
     parts = split_parts(copy.deepcopy(reference), 2)
-    comm = ExpertParallelComm(None, EmulatedNetwork(latency_s=5e-4))
+    comm = _OneRankExchanges(None, EmulatedNetwork(latency_s=5e-4))
     for part in parts:
         expert_parallel(part, comm)
         part.to(DEVICE)
     from torch.distributed.pipelining import PipelineStage
 
     stages = [PipelineStage(parts[s], s, 2, DEVICE, group=_group()) for s in (0, 1)]
-    sched = ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap)
+    sched = ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch)
     return reference.to(DEVICE), {0: parts[0], 1: parts[1]}, sched, comm
 
 
@@ -174,6 +202,36 @@ def test_moe_overlap_matches_the_reference_and_is_bitwise_sequential(module_cls,
     for module in modules.values():
         for name, p in module.named_parameters():
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("module_cls", [MoETransformer, _Relayed], ids=["protocol", "relay"])
+def test_two_batch_overlap_splits_on_one_rank_and_matches_the_reference(module_cls):
+    """``two_batch_overlap=True`` on one rank: the emulated exchanges make both stages split their
+    lone forwards into halves (counted: each lone forward posts its two exchanges per layer at
+    half the slots), and the step gives the reference's losses and gradients."""
+    from titan_dualpipe.check.numerics import MB_SIZE, SEQ
+
+    n = 4
+    reference, modules, sched, comm = _moe_pipeline(module_cls, False, True, n, two_batch=True)
+    assert sched.two_batch_stages == {0, 1}
+    x, y = (t % MOE.vocab_size for t in batch(0, n, device=DEVICE))
+    losses: list = []
+    sched.step(x, target=y, losses=losses)
+    want = reference_step(reference, x, y, n, scale_grads=True)
+    torch.testing.assert_close(torch.tensor([loss.item() for loss in losses]), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    ref = dict(reference.named_parameters())
+    for module in modules.values():
+        for name, p in module.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name].grad, rtol=RTOL, atol=ATOL)
+    comm.posts.clear()  # the first step also ran each stage once to infer its shapes
+    sched.step(x, target=y)
+    whole, half = MB_SIZE * MOE.capacity(SEQ), (MB_SIZE // 2) * MOE.capacity(SEQ)  # slots per expert
+    layers = MOE.n_layers // 2  # MoE layers per stage
+    lone = lone_forwards(sched.pipeline_order[0])
+    forwards = [slots for slots, backward in comm.posts if not backward]
+    # each lone forward: two halves, each a dispatch and a combine per layer; paired ones whole
+    assert forwards.count(half) == 2 * 2 * layers * len(lone) > 0, (lone, forwards)
+    assert forwards.count(whole) == 2 * layers * (2 * n - len(lone)), (lone, forwards)
 
 
 class _Exchange(torch.autograd.Function):
