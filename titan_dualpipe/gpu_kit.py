@@ -142,8 +142,8 @@ def bench_titan_figures(out: str) -> str:
 
 def compile_figures(out: str) -> str:
     """(I+W)/full of each split variant, eager and compiled, and the full backward they divide by."""
-    rows = _json_object(out)["rows"]
-    device = _json_object(out)["config"].get("device", "cpu")
+    result = _json_object(out)
+    rows, device = result["rows"], result["config"].get("device", "cpu")
     ratios = [f"{r['kind']} {r['variant']} " + (f"{r['ratio_to_full']:.2f}x" if "error" not in r else "cannot run")
               for r in rows if r["variant"] != "full"]
     full = ", ".join(f"{r['kind']} {r['full_s'] * 1e3:.2f}" for r in rows if r["variant"] == "full")

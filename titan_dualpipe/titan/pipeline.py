@@ -20,6 +20,11 @@ calls the builder with keywords; :mod:`.generation` holds the names):
   pipeline_parallel_expert_parallel_overlap``; 0.3.0: our ``dualpipe.overlap``; default true)
   becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
 
+DualPipeV at ``pipeline_parallel_degree`` 1 is a V of two stages on each rank (one GPU, or
+pairs overlapping expert-parallel exchanges without pipeline ranks): ``ParallelDims`` is patched
+so that torchtitan, which pipelines only above degree 1, takes its pipeline path for it
+(:func:`install_one_rank_v`). Every other schedule at degree 1 keeps torchtitan's unpipelined run.
+
 0.2.2 only: ``get_dual_pipe_v_flag`` (``torchtitan.distributed.dual_pipe_v``, and bound by name in each
 model's ``parallelize`` module: patched there by :func:`patch_dual_pipe_v_flag`) decides by the
 name "dualpipev" to wrap expert parallelism in torchtitan's ``SyncHook``s, which only that
