@@ -107,24 +107,30 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     x, y = batch(0, n)
     losses: list = []
     out = sched.eval(x, target=y, losses=losses, return_outputs=True) if place.feeds_batch(rank) else sched.eval()
+    return {"outputs_checked": _check_eval(reference, place, modules, x, y, n, out, losses)}
+
+
+def _check_eval(reference, place, modules: dict, x, y, n: int, out, losses: list) -> int:
+    """eval()'s outputs and losses against the reference forward; how many microbatches' outputs
+    this rank checked (those whose last stage it holds). eval() leaves no gradients."""
     grads = [p.grad for m in modules.values() for p in m.parameters() if p.grad is not None]
     assert not grads, "eval() must not produce gradients"
     with torch.no_grad():
         ref_out = torch.cat([reference(xm) for xm in x.chunk(n)])
         ref_losses = [lm_loss(reference(xm), ym).item() for xm, ym in zip(x.chunk(n), y.chunk(n))]
-    checked = 0
-    if any(place.is_last(s) for s in modules):
-        torch.testing.assert_close(torch.tensor([l.item() for l in losses]), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
-        mbs = [mb for s in modules if place.is_last(s) for mb in place.microbatches(s)]
-        want = torch.cat([ref_out[mb * MB_SIZE:(mb + 1) * MB_SIZE] for mb in mbs])
-        torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
-        checked = len(mbs)
-    return {"outputs_checked": checked}
+    if not any(place.is_last(s) for s in modules):
+        return 0
+    torch.testing.assert_close(torch.tensor([l.item() for l in losses]), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    mbs = [mb for s in modules if place.is_last(s) for mb in place.microbatches(s)]
+    want = torch.cat([ref_out[mb * MB_SIZE:(mb + 1) * MB_SIZE] for mb in mbs])
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+    return len(mbs)
 
 
 class LiveTensorBytes(TorchDispatchMode):
     """Live and peak bytes of the CPU tensors created while active (storages counted once,
-    released when torch frees them)."""
+    released when torch frees them; views of an op's inputs, such as a weight's transpose, are
+    no new storage)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,11 +143,12 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
-                if key and key not in self._held:
+                if key and key not in self._held and key not in inputs:
                     self._held.add(key)
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)
@@ -149,31 +156,57 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def eval_peak_memory(schedule: str, pp: int, n: int) -> dict | None:
-    """Peak bytes of tensors made during eval(losses=...) with outputs kept (return_outputs=True)
-    and by default, on the ranks that hold a last stage; losses equal both ways."""
+def eval_held_outputs(schedule: str, pp: int, n: int, *, two_batch: bool = False, grad: bool = False) -> dict | None:
+    """eval(losses=...) on pipelines of ``n`` and ``2n`` microbatches (under ``torch.no_grad()`` as
+    torchtitan's validator, or with gradients enabled): the peak bytes of a measured eval after a
+    warm-up one, how many outputs every stage's ``fwd_cache`` and the step's two-batch halves held
+    at its end; then eval(..., return_outputs=True), its outputs and losses checked against the
+    reference."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
         return None
-    _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    result: dict = {"rank": rank, "logits_bytes": MB_SIZE * SEQ * VOCAB * 4}
+    for key in ("peak", "fwd_cache", "halves", "outputs_checked", "last_microbatches"):
+        result[key] = {}
+    for count in (n, 2 * n):
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            _measured_eval(schedule, pp, count, group, rank, two_batch, result)
+    return result
+
+
+def _measured_eval(schedule: str, pp: int, n: int, group, rank: int, two_batch: bool, result: dict) -> None:
+    """One pipeline's part of :func:`eval_held_outputs`, into ``result`` by microbatch count."""
+    options = {"two_batch_overlap": "all"} if two_batch else {}
+    reference, modules, sched = build_pipeline(schedule, pp, n, group, rank, **options)
     place = sched.placement
+    halves_at_end: list[int] = []
+    after_step = sched._after_step
+
+    def watched(executor) -> None:
+        halves_at_end.append(len(executor.halves))
+        after_step(executor)
+
+    sched._after_step = watched
     x, y = batch(0, n)
-    peaks, losses = {}, {}
-    for label, kwargs in (("warm-up", {}), ("kept", {"return_outputs": True}), ("default", {})):
-        losses[label] = []
-        with LiveTensorBytes() as meter:
-            if place.feeds_batch(rank):
-                out = sched.eval(x, target=y, losses=losses[label], **kwargs)
-                assert (out is not None) == ("return_outputs" in kwargs and any(place.is_last(s) for s in modules))
-            else:
-                sched.eval()
-            out = None
-        peaks[label] = meter.peak
-    assert [l.item() for l in losses["kept"]] == [l.item() for l in losses["default"]]
-    last_mbs = [mb for s in modules if place.is_last(s) for mb in place.microbatches(s)]
-    return {"rank": rank, "kept": peaks["kept"], "default": peaks["default"], "last_microbatches": len(last_mbs),
-            "logits_bytes": MB_SIZE * SEQ * VOCAB * 4}
+
+    def run(**kwargs) -> tuple:
+        losses: list = []
+        out = sched.eval(x, target=y, losses=losses, **kwargs) if place.feeds_batch(rank) else sched.eval()
+        return out, losses
+
+    run()  # stage shapes and receive buffers
+    with LiveTensorBytes() as meter:
+        out, losses = run()
+    assert out is None
+    result["peak"][n] = meter.peak
+    result["fwd_cache"][n] = {stage.stage_index: len(stage.fwd_cache) for stage in sched._stages}
+    out, kept_losses = run(return_outputs=True)
+    result["halves"][n] = halves_at_end
+    result["last_microbatches"][n] = sum(len(place.microbatches(s)) for s in modules if place.is_last(s))
+    result["outputs_checked"][n] = _check_eval(reference, place, modules, x, y, n, out, kept_losses)
+    if result["outputs_checked"][n]:
+        assert [l.item() for l in losses] == [l.item() for l in kept_losses]
 
 
 def agreement_collectives(schedule: str, pp: int, n: int) -> dict | None:
@@ -208,12 +241,74 @@ def agreement_collectives(schedule: str, pp: int, n: int) -> dict | None:
     return {"rank": rank, "all_gathers": counts, "changed_inputs_error": error}
 
 
+def _call(sched, kind: str, form: str, x, y, n: int, feeds: bool) -> list[float]:
+    """``sched.step``/``sched.eval`` with the whole batch (``form="whole"``) or its microbatches
+    (``"split"``: ``arg_mbs``/``target_mbs``); the losses this rank received."""
+    losses: list = []
+    if not feeds:
+        getattr(sched, kind)()
+    elif form == "whole":
+        getattr(sched, kind)(x, target=y, losses=losses)
+    else:
+        getattr(sched, kind)(arg_mbs=[(xm,) for xm in x.chunk(n)], target_mbs=list(y.chunk(n)), losses=losses)
+    return [l.item() for l in losses]
+
+
+def microbatch_forms(schedule: str, pp: int, n: int) -> dict | None:
+    """Whole-batch and pre-split calls of the same microbatches, alternated in eval() and in step()
+    (each form starting once): every eval gives the same losses, every step the reference's
+    losses and gradients."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    reference, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    place = sched.placement
+    feeds, holds_last = place.feeds_batch(rank), any(place.is_last(s) for s in modules)
+    x, y = batch(0, n)
+    evals = [_call(sched, "eval", form, x, y, n, feeds) for form in ("whole", "split", "whole")]
+    assert evals[1] == evals[0] and evals[2] == evals[0], evals
+    grad_err = 0.0
+    for form in ("split", "whole", "split"):
+        for model in (reference, *modules.values()):
+            model.zero_grad()
+        losses = _call(sched, "step", form, x, y, n, feeds)
+        want = reference_step(reference, x, y, n, True)
+        if holds_last:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+        grad_err = max(grad_err, _check_grads(modules, reference, f"step({form})"))
+    return {"rank": rank, "eval_losses": len(evals[0]), "grad_err": grad_err}
+
+
+def changed_microbatches(schedule: str, pp: int, n: int, group_timeout_s: float) -> dict | None:
+    """An eval() with the whole batch, then one with pre-split microbatches one token shorter: what
+    each rank raised (the ranks passing them at once; the others when their pipeline traffic
+    fails, within the group timeout)."""
+    from datetime import timedelta
+
+    group = dist.new_group(list(range(pp)), timeout=timedelta(seconds=group_timeout_s))
+    rank = dist.get_rank()
+    if rank >= pp:
+        return None
+    _, _, sched = build_pipeline(schedule, pp, n, group, rank)
+    feeds = sched.placement.feeds_batch(rank)
+    x, y = batch(0, n)
+    _call(sched, "eval", "whole", x, y, n, feeds)
+    try:
+        _call(sched, "eval", "split", x[:, :-1], y[:, :-1], n, feeds)
+    except Exception as err:  # noqa: BLE001 - the test inspects what each rank raised
+        return {"rank": rank, "feeds": feeds, "raised": f"{type(err).__name__}: {err}"}
+    return {"rank": rank, "feeds": feeds, "raised": ""}
+
+
 def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") -> str | None:
     """A rank passes bad step() inputs: every rank must raise the same ValueError.
 
     ``no_target``: the last-stage ranks forget target=; ``batch``: the batch (and target) is not
     a multiple of n; ``halves``: DualPipe's rank pp-1 passes a smaller batch than rank 0;
-    ``mixed``: whole-batch inputs together with pre-split ones."""
+    ``mixed``: whole-batch inputs together with pre-split ones; ``unsplittable``: rank 0 adds a
+    keyword input with fewer rows than microbatches; ``entries``: rank 0 passes each microbatch's
+    tensor as an ``arg_mbs`` entry, not in a tuple."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
@@ -228,8 +323,13 @@ def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") 
     kwargs = {} if mistake == "no_target" else {"target": y}
     if mistake == "mixed" and rank == 0:
         kwargs["arg_mbs"] = [(xm,) for xm in x.chunk(n)]
+    if mistake == "unsplittable" and rank == 0:
+        kwargs["mask"] = torch.ones(n - 1)
+    args = (x,)
+    if mistake == "entries" and rank == 0:
+        args, kwargs = (), {"arg_mbs": list(x.chunk(n)), "target_mbs": list(y.chunk(n))}
     try:
-        sched.step(x, **kwargs) if place.feeds_batch(rank) else sched.step()
+        sched.step(*args, **kwargs) if place.feeds_batch(rank) else sched.step()
     except ValueError as err:
         return str(err)
     raise AssertionError(f"step() with mistake {mistake!r} did not raise")

@@ -101,6 +101,8 @@ def test_eval_forward_only(pool, schedule, pp, n):
     ("DualPipe", 2, 6, "batch", ["the batch has 9 samples", "n_microbatches=6"]),
     ("DualPipe", 4, 8, "halves", ["rank 0: 16 samples, rank 3: 8 samples", "same batch on ranks 0 and pp-1"]),
     ("DualPipeV", 2, 4, "mixed", ["whole-batch inputs together with arg_mbs"]),
+    ("DualPipe", 2, 4, "unsplittable", ["rank 0: the whole-batch inputs split into 3 microbatches", "n_microbatches=4"]),
+    ("DualPipeV", 2, 4, "entries", ["rank 0: arg_mbs[0] is a Tensor", "pass arg_mbs=[(x0,), (x1,), ...]"]),
 ])
 def test_bad_step_inputs_raise_on_every_rank(pool, schedule, pp, n, mistake, expected):
     messages = _ran(pool.run(cases.bad_step_inputs, timeout_s=60, schedule=schedule, pp=pp, n=n, mistake=mistake))
@@ -292,17 +294,51 @@ def test_inputs_agreed_at_the_first_step_and_eval_only(pool, schedule, pp, n):
     if pp == 1:
         assert "differ from the first step's" in ran[0]["changed_inputs_error"], ran[0]
         error = ran[0]["changed_inputs_error"]
-        assert f"({2 * n}, 8) int64" in error and f"({2 * n}, 7) int64" in error, error
+        assert "microbatch 0: " in error and "(2, 8) int64" in error and "(2, 7) int64" in error, error
 
 
-@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 8), ("DualPipe", 2, 8)])
-def test_eval_with_losses_keeps_no_outputs(pool, schedule, pp, n):
-    """torchtitan's validator passes losses=: the schedule then keeps no microbatch's outputs."""
-    ran = [r for r in _ran(pool.run(cases.eval_peak_memory, schedule=schedule, pp=pp, n=n)) if r["last_microbatches"]]
-    assert ran
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
+def test_whole_batch_and_pre_split_calls_interchange(pool, schedule, pp, n):
+    """As torch's schedules: step()/eval() with the whole batch and with arg_mbs=/target_mbs= of the same
+    microbatches alternate in any order (ranks agree on a mode's first call only, by microbatches);
+    evals give equal losses, steps the reference's losses and gradients."""
+    ran = _ran(pool.run(cases.microbatch_forms, schedule=schedule, pp=pp, n=n))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(r["eval_losses"] for r in ran) == (2 if schedule == "DualPipe" else 1) * n
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 4, 8)])
+def test_changed_microbatch_shapes_raise_on_every_rank(pool, schedule, pp, n):
+    """Pre-split microbatches unlike the first eval's (one token shorter): the ranks passing them raise
+    naming both shapes; every other rank's error, when its traffic fails, names that first failure."""
+    ran = _ran(pool.run(cases.changed_microbatches, schedule=schedule, pp=pp, n=n, group_timeout_s=4))
+    assert len(ran) == pp
     for r in ran:
-        saved = r["kept"] - r["default"]
-        assert saved >= (r["last_microbatches"] - 1) * r["logits_bytes"], r
+        raised = r["raised"]
+        assert "differ from the first step's" in raised and "(2, 8) int64" in raised and "(2, 7) int64" in raised, r
+        assert raised.startswith("PipelineConfigError: " if r["feeds"] else "PeerFailed: "), r
+    assert any(not r["feeds"] for r in ran)
+
+
+@pytest.mark.parametrize("schedule,pp,n,two_batch,grad", [
+    ("DualPipeV", 2, 4, False, False), ("DualPipe", 2, 4, False, False),
+    ("DualPipeV", 2, 4, True, False), ("DualPipe", 2, 4, True, True), ("DualPipeV", 2, 4, False, True),
+])
+def test_eval_holds_no_output_it_does_not_return(pool, schedule, pp, n, two_batch, grad):
+    """eval(losses=...) (torchtitan's validator) frees each stage output at its last use: no stage's
+    ``fwd_cache`` and no two-batch halves hold any at the end, and from n to 2n microbatches the
+    peak grows by less than the added last-stage outputs (logits; before, it held all of them,
+    with their graphs when gradients are enabled). return_outputs=True still returns the outputs,
+    with the same losses (checked against the reference)."""
+    ran = _ran(pool.run(cases.eval_held_outputs, schedule=schedule, pp=pp, n=n, two_batch=two_batch, grad=grad))
+    for r in ran:
+        assert all(not any(held.values()) for held in r["fwd_cache"].values()), r
+        assert all(not any(held) for held in r["halves"].values()), r
+        assert r["outputs_checked"] == r["last_microbatches"], r
+        added = r["last_microbatches"][2 * n] - r["last_microbatches"][n]
+        if added:
+            assert r["peak"][2 * n] - r["peak"][n] < added * r["logits_bytes"], r
+    assert sum(r["last_microbatches"][n] for r in ran) == n  # every microbatch's output checked once
 
 
 @pytest.mark.parametrize("schedule,n", [("DualPipeV", 4), ("DualPipe", 4)])

@@ -141,6 +141,9 @@ class StepExecutor:
             while self.sends:
                 send, works = self.sends.pop()
                 self._wait(works, send)
+            if not self.training:  # forwards of custom functions (register_custom_function) cached theirs too
+                for stage in self.stages.values():
+                    stage.fwd_cache.clear()
             self._resolve_timeline()
         except BaseException as err:
             self._report(err, actions, action)
@@ -218,8 +221,11 @@ class StepExecutor:
     # -- compute ----------------------------------------------------------------------------
     def forward(self, action: _Action) -> None:
         """A lone forward: on two halves of its microbatch where two-batch overlap is on."""
-        if (action.stage_index, action.microbatch_index) in self.two_batch:
+        key = (action.stage_index, action.microbatch_index)
+        if key in self.two_batch:
             self.timed(action, lambda: halves_runner().forward(self, action))
+            if not self.training:  # no backward will read the halves: keep neither them nor the joined output
+                self.halves.pop(key, None)
         else:
             self.timed(action, lambda: self.run_forward(action))
 
@@ -253,10 +259,23 @@ class StepExecutor:
                 mb, self.arg_mbs[mb], self.kwarg_mbs[mb], save_forward_output=self.return_outputs
             )
         if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
-            self.losses[mb] = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
+            loss = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
+            self.losses[mb] = loss if self.training else loss.detach()
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_fwd_input(output, mb)
+        if not self.training:
+            self._forward_only_done(stage, mb, sent=dest is not None and dest.stage not in self.stages)
+
+    def _forward_only_done(self, stage: Any, mb: int, sent: bool) -> None:
+        """eval(): keep no forward's output beyond its use. torch's ``forward_one_chunk`` caches every
+        output (with its graph when gradients are enabled) for a backward that will not come: drop it
+        now, or once its send is posted when it goes to another rank. A returned output is kept
+        without its graph."""
+        if not sent:
+            stage.fwd_cache.pop(mb, None)
+        if self.return_outputs and stage.is_last and stage.output_chunks:
+            stage.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, stage.output_chunks[-1])
 
     def run_backward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -326,8 +345,11 @@ class StepExecutor:
 
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
-        works = self._post(self.stages[action.stage_index].get_fwd_send_ops(action.microbatch_index), action)
-        self.sends.append((action, works))
+        stage = self.stages[action.stage_index]
+        works = self._post(stage.get_fwd_send_ops(action.microbatch_index), action)
+        self.sends.append((action, works))  # a posted send's work holds its tensors until waited
+        if not self.training:  # eval(): the output's last use (see _forward_only_done)
+            stage.fwd_cache.pop(action.microbatch_index, None)
 
     def send_backward(self, action: _Action) -> None:
         works = self._post(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index), action)

@@ -47,8 +47,8 @@ from .halves import two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
-from .validation import (changed_inputs_problem, cross_rank_problem, input_signature,
-                         requirements_problem, stage_problem, step_inputs_problem)
+from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
+                         requirements_problem, split_problem, stage_problem, step_inputs_problem)
 
 
 
@@ -166,7 +166,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
              target_mbs: list | None = None, **kwargs):
         """Run one step: whole-batch ``args``/``kwargs``/``target`` (split into microbatches
-        here) or pre-split ``arg_mbs``/``kwarg_mbs``/``target_mbs`` (one entry per microbatch).
+        here) or pre-split ``arg_mbs``/``kwarg_mbs``/``target_mbs`` (one entry per microbatch:
+        a tuple of positional inputs, a dict of keyword inputs, a target). Steps may switch form
+        as long as the microbatches keep their shapes, as with torch's schedules.
 
         See the class docstring for which ranks pass inputs. ``losses`` receives every
         microbatch's loss on the ranks that hold a last stage; ``loss_kwargs`` go to
@@ -174,13 +176,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """
         if self._has_backward and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() needs gradients enabled (it runs the backward); use eval() under torch.no_grad()")
-        self._agree_on_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        arg_mbs, kwarg_mbs, target_mbs = self._agreed_microbatches(args, kwargs, target, arg_mbs, kwarg_mbs,
+                                                                   target_mbs)
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
-        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
-            target_mbs = split_target(target, self._n_microbatches) if target is not None else None
         self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
         for stage in self._stages:
             if stage.is_last and return_outputs:
@@ -192,9 +192,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """Forward only (no gradients), with ``step()``'s inputs.
 
         Returns the merged outputs of this rank's last stage unless ``losses`` is given: a caller
-        that asks for the losses (torchtitan's validator) gets no outputs, and the schedule keeps
-        none alive across the step (a language model's logits: every microbatch's, at once), unless
-        it also passes ``return_outputs=True``."""
+        that asks for the losses (torchtitan's validator) gets no outputs unless it also passes
+        ``return_outputs=True``. The schedule keeps no stage output it does not return beyond its
+        last use (its send, the next stage's forward, the loss): without ``return_outputs`` a
+        language model's logits live one microbatch at a time. Losses and returned outputs come
+        without autograd graphs."""
         if return_outputs is None:
             return_outputs = losses is None
         has_backward = self._has_backward
@@ -215,7 +217,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         unless given)."""
         if self.placement.is_last(stage.stage_index) and self._loss_fn is not None and target_mbs is not None:
             kwargs = self._step_loss_kwargs if loss_kwargs is None else loss_kwargs
-            self._step_losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], kwargs)
+            loss = self._compute_loss(output, target_mbs[mb_index], kwargs)
+            self._step_losses[mb_index] = loss if self._has_backward else loss.detach()  # eval: no graph kept
 
     def _maybe_get_loss(self, stage, mb_index) -> torch.Tensor | None:
         """The loss a chain's last stage backpropagates for ``mb_index`` (None on other stages)."""
@@ -234,24 +237,44 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._step_losses = {}
         self._step_loss_kwargs = loss_kwargs
 
-    def _agree_on_inputs(self, args: tuple, kwargs: dict, target: Any, arg_mbs: Any = None, kwarg_mbs: Any = None,
-                         target_mbs: Any = None) -> None:
-        """Every rank raises when any rank's step() inputs are wrong, before pipeline traffic.
+    def _microbatches(self, args: tuple, kwargs: dict, target: Any, arg_mbs: list | None, kwarg_mbs: list | None,
+                      target_mbs: list | None) -> tuple[list, list, list | None]:
+        """The step's microbatches, from either form of input (the whole batch split as torch splits it)."""
+        n = self._n_microbatches
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+            target_mbs = split_target(target, n) if target is not None else None
+        arg_mbs = arg_mbs if arg_mbs is not None else [()] * n
+        return arg_mbs, kwarg_mbs if kwarg_mbs is not None else [{}] * n, target_mbs
+
+    def _agreed_microbatches(self, args: tuple, kwargs: dict, target: Any, arg_mbs: Any, kwarg_mbs: Any,
+                             target_mbs: Any) -> tuple[list, list, list | None]:
+        """The step's microbatches; every rank raises when any rank's step() inputs are wrong, before
+        pipeline traffic.
 
         Ranks agree (a collective, then a host sync) at the first step() and the first eval() of
         the schedule only: the stages take those steps' shapes for good. A later step whose
-        inputs have the same signature (shapes, dtypes, structure) needs no agreement; one whose
-        inputs changed or are wrong raises on this rank (recorded as the step's first failure, so
-        the other ranks' errors name it when their pipeline traffic fails)."""
+        microbatches have the same signature (shapes, dtypes, structure), in either form (whole
+        batch or ``arg_mbs``/``kwarg_mbs``/``target_mbs``, as torch's schedules), needs no
+        agreement; one whose microbatches changed or whose inputs are wrong raises on this rank
+        (recorded as the step's first failure, so the other ranks' errors name it when their
+        pipeline traffic fails)."""
         problem, size = step_inputs_problem(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
-        signature = input_signature(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        microbatches: tuple = ([], [], None)
+        if not problem:
+            try:
+                microbatches = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+                problem = split_problem(self.rank, self._n_microbatches, microbatches)
+            except Exception as err:  # noqa: BLE001 - torch's split of any input: every rank must hear of it
+                problem = (f"rank {self.rank}: the inputs do not split into {self._n_microbatches} microbatches "
+                           f"({type(err).__name__}: {err}); pass inputs whose batch dimension every tensor shares")
         first = self._agreed_inputs.get(self._has_backward)
         if first is not None:
-            problem = problem or changed_inputs_problem(self.rank, first, signature)
+            problem = problem or changed_inputs_problem(self.rank, first, microbatch_signature(*microbatches))
             if problem:
                 record(step_scope(self._failure_scope, self._steps_run), problem)
                 raise PipelineConfigError(problem)
-            return
+            return microbatches
         holds_last = any(self.placement.is_last(s.stage_index) for s in self._stages)
         passes_target = target is not None or target_mbs is not None
         group, device = self._stages[0].group, self._stages[0].device
@@ -259,7 +282,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         problem = cross_rank_problem(self.placement, table)
         if problem:  # the same on every rank: the table is
             raise PipelineConfigError(problem)
-        self._agreed_inputs[self._has_backward] = signature
+        self._agreed_inputs[self._has_backward] = microbatch_signature(*microbatches)
+        return microbatches
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):

@@ -68,6 +68,9 @@ def step_inputs_problem(schedule: Any, args: tuple, kwargs: dict, target: Any, a
             if mbs is not None and (not isinstance(mbs, list) or len(mbs) != n):
                 got = len(mbs) if isinstance(mbs, list) else type(mbs).__name__
                 return f"rank {rank}: {label} needs one entry per microbatch, a list of {n}; got {got}", -1
+        problem = _entries_problem(rank, arg_mbs, kwarg_mbs)
+        if problem:
+            return problem, -1
     feeds = bool(args or kwargs or arg_mbs is not None or kwarg_mbs is not None)
     if firsts and not feeds:
         return (f"rank {rank} holds first stage {firsts[0]} of {name} and must pass the whole-batch inputs: "
@@ -89,6 +92,30 @@ def step_inputs_problem(schedule: Any, args: tuple, kwargs: dict, target: Any, a
         return (f"rank {rank}: the inputs have {size} samples but the target {target.shape[0]}: pass the target "
                 "of the same batch"), -1
     return "", -1 if size is None else size
+
+
+def _entries_problem(rank: int, arg_mbs: list | None, kwarg_mbs: list | None) -> str:
+    """Pre-split entries of the wrong kind: a microbatch's positional inputs are a tuple (as the
+    whole batch's ``args``), its keyword inputs a dict."""
+    for label, mbs, kinds, example in (("arg_mbs", arg_mbs, (tuple, list), "[(x0,), (x1,), ...]"),
+                                       ("kwarg_mbs", kwarg_mbs, (dict,), "[{'mask': m0}, {'mask': m1}, ...]")):
+        for i, entry in enumerate(mbs or ()):
+            if not isinstance(entry, kinds):
+                return (f"rank {rank}: {label}[{i}] is a {type(entry).__name__}; each entry holds one microbatch's "
+                        f"{'positional inputs as a tuple' if label == 'arg_mbs' else 'keyword inputs as a dict'}: "
+                        f"pass {label}={example}")
+    return ""
+
+
+def split_problem(rank: int, n: int, microbatches: tuple) -> str:
+    """A whole batch that torch's split made fewer than ``n`` microbatches of: a tensor input with
+    fewer rows than microbatches along its split dimension gives fewer chunks, silently."""
+    counts = [len(mbs) for mbs in microbatches if mbs is not None]
+    if all(count == n for count in counts):
+        return ""
+    return (f"rank {rank}: the whole-batch inputs split into {min(counts)} microbatches, not n_microbatches={n}: "
+            f"a tensor input has fewer than {n} rows along its split dimension; give every tensor input the "
+            "batch's rows, or pass the microbatches (arg_mbs=, kwarg_mbs=, target_mbs=)")
 
 
 def cross_rank_problem(place: Placement, table: torch.Tensor) -> str:
@@ -116,13 +143,29 @@ def input_signature(*values: Any) -> tuple:
                             for v in leaves)
 
 
+def microbatch_signature(arg_mbs: list, kwarg_mbs: list, target_mbs: list | None) -> tuple:
+    """Each microbatch's :func:`input_signature` (positional inputs, keyword inputs, target): the
+    same whether the step split the whole batch or was given the microbatches, as the pipeline
+    sees only microbatches."""
+    targets = target_mbs if target_mbs is not None else [None] * len(arg_mbs)
+    return tuple(input_signature(tuple(args), dict(sorted(kwargs.items())), target)  # keywords in any order
+                 for args, kwargs, target in zip(arg_mbs, kwarg_mbs, targets, strict=True))
+
+
 def changed_inputs_problem(rank: int, first: tuple, now: tuple) -> str:
-    """Inputs unlike the first step's: ranks agree on their inputs at a mode's first step only."""
-    if first == now:
+    """Microbatches unlike the first step's (:func:`microbatch_signature`): ranks agree on their inputs
+    at a mode's first step only. Names the first microbatch that changed."""
+    mb = next((i for i, (a, b) in enumerate(zip(first, now)) if a != b), None)
+    if mb is None:
         return ""
-    return (f"rank {rank}: this step's inputs differ from the first step's (tensor shapes and dtypes "
-            f"{_shown(first)} then, {_shown(now)} now); a schedule's stages take the shapes of its first "
-            "step (and eval()'s of its first eval), and its ranks check their inputs together only then: "
+    then, later = first[mb], now[mb]
+    if then[1] == later[1]:  # the same tensors, in another structure
+        shown = f"input structure {then[0]} then, {later[0]} now"
+    else:
+        shown = f"tensor shapes and dtypes {_shown(then)} then, {_shown(later)} now"
+    return (f"rank {rank}: this step's inputs differ from the first step's (microbatch {mb}: {shown}); a "
+            "schedule's stages take the shapes of its first step (and eval()'s of its first eval), and its ranks "
+            "check their inputs together only then: "
             "pass inputs of the same shapes every step, or build new stages and a new schedule for new shapes")
 
 
