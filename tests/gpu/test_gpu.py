@@ -28,10 +28,10 @@ from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.check.numerics import ATOL, RTOL, batch, build_pipeline, reference_step, train_and_compare
 from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import lower
+from titan_dualpipe.orders.two_batch import lone_forwards
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
-from titan_dualpipe.orders.two_batch import lone_forwards
-from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm
+from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm, PendingAllToAll
 from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_parallel, split_parts
 from titan_dualpipe.runtime.comm_record import CommRecorder
 from titan_dualpipe.runtime.halves import register_exchange_rule
@@ -150,7 +150,7 @@ class _OneRankExchanges(ExpertParallelComm):
 
     posts: list = field(default_factory=list)
 
-    def post(self, x: torch.Tensor, backward: bool = False):
+    def post(self, x: torch.Tensor, backward: bool = False) -> PendingAllToAll:
         if not x.is_meta:
             self.posts.append((x.shape[2], backward))
         return super().post(x, backward)
