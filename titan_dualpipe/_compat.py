@@ -189,8 +189,20 @@ def _initialize_stages_by_shape_exchange(schedule: PipelineScheduleMulti, args: 
         schedule._stages_forward_initialized = True
     if schedule._has_backward and not schedule._stages_backward_initialized:
         for stage in schedule._stages:
+            _receive_buffers_require_grad(stage)
             stage._prepare_backward_infra(schedule._n_microbatches)
         schedule._stages_backward_initialized = True
+
+
+def _receive_buffers_require_grad(stage: _PipelineStageBase) -> None:
+    """2.11 makes a receive buffer require grad when it creates it for a step with a backward; after
+    an eval() first, a step would get no input gradients (torch's own schedules too). 2.12+
+    decides at each forward."""
+    for infos in stage.args_recv_info.values():
+        for info in infos:
+            buffer = getattr(info, "buffer", None)  # a root argument (the batch) has none
+            if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
+                buffer.requires_grad_(True)
 
 
 def warm_up_neighbours(stages: list[_PipelineStageBase]) -> None:

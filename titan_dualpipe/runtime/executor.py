@@ -346,8 +346,11 @@ class StepExecutor:
     # -- communication ----------------------------------------------------------------------
     def send_forward(self, action: _Action) -> None:
         stage = self.stages[action.stage_index]
-        works = self._post(stage.get_fwd_send_ops(action.microbatch_index), action)
-        self.sends.append((action, works))  # a posted send's work holds its tensors until waited
+        ops = stage.get_fwd_send_ops(action.microbatch_index)
+        for op in ops:  # a posted send's work holds its tensor until waited; torch 2.11's, the graph with it
+            op.tensor = op.tensor.detach()
+        works = self._post(ops, action)
+        self.sends.append((action, works))
         if not self.training:  # eval(): the output's last use (see _forward_only_done)
             stage.fwd_cache.pop(action.microbatch_index, None)
 
