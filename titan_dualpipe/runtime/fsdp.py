@@ -31,12 +31,13 @@ def gathered_for_both_halves(module: nn.Module) -> Iterator[None]:
     parameters once for both.
 
     FSDP2 alone reshards at every post-forward, so the partner half's matching call would
-    gather again (an all-gather per call more than the whole microbatch posts); and a partner
-    still inside the module would compute on freed parameters. Here a group's odd post-forwards
+    gather again (an all-gather per call more than the whole microbatch posts), and a half that
+    hands over inside a module's call (torchtitan's blocks) would find its parameters freed by
+    the partner's post-forward when it resumes. Here a group's odd post-forwards
     keep its parameters gathered and its even ones (both halves past the call) reshard them by
     its ``reshard_after_forward``, as the whole microbatch's post-forward would, even where the
     partner's post-forward left the group idle (FSDP2 then reshards whatever the setting: a
-    group kept gathered, as the root or folded twins, would be gathered again). A module one
+    group kept gathered, ``reshard_after_forward=False`` or folded twins, would be gathered again). A module one
     half calls more often than the other may gather again; a call left unmatched at the end is
     resharded as a post-forward would. Memory: a module stays gathered from the first half's
     call to the second's (the halves interleave at their exchanges, so usually one module).
