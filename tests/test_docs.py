@@ -435,12 +435,16 @@ def test_pictures_are_what_draw_makes(tmp_path: Path) -> None:
 
 # ---- the dependency rule ----------------------------------------------------------------------
 
-# layer -> the package's modules it may import (docs/architecture.md: orders -> runtime -> overlap)
+# layer -> the package's modules it may import (docs/architecture.md: orders -> runtime -> overlap
+# -> titan; "" is the package itself); switches.py imports nothing at all
 ALLOWED = {
     "orders": {"_compat", "cli", "orders"},
     "runtime": {"_compat", "orders", "runtime"},
     "overlap": {"_compat", "orders", "runtime", "overlap", "split"},
+    "titan": {"", "_compat", "orders", "runtime", "overlap", "split", "switches", "titan", "torchtitan_version"},
+    "switches": set(),
 }
+SWITCH_NAME = re.compile(r"TITAN_DUALPIPE_[A-Z0-9_]+")
 
 
 def imported_units(path: Path) -> set[str]:
@@ -466,8 +470,41 @@ def imported_units(path: Path) -> set[str]:
     return units
 
 
+def layer_files(layer: str) -> list[Path]:
+    module = PACKAGE / f"{layer}.py"
+    return [module] if module.exists() else sorted((PACKAGE / layer).rglob("*.py"))
+
+
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_dependency_rule(layer: str) -> None:
+    files = layer_files(layer)
+    assert files
     problems = [f"{path.relative_to(ROOT)} imports {sorted(imported_units(path) - ALLOWED[layer])}"
-                for path in sorted((PACKAGE / layer).rglob("*.py")) if imported_units(path) - ALLOWED[layer]]
+                for path in files if imported_units(path) - ALLOWED[layer]]
+    assert not problems, "\n".join(problems)
+
+
+def test_switches_load_without_torch() -> None:
+    """``switches.py`` imports nothing: run on its own, it leaves torch unimported and defines
+    every ``TITAN_DUALPIPE_*`` name (the package's ``__init__`` imports torch, so the file is
+    run directly)."""
+    path = PACKAGE / "switches.py"
+    assert not [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    code = ("import json, runpy, sys; names = runpy.run_path(sys.argv[1]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "print(json.dumps(sorted(v for k, v in names.items() if k.endswith('_ENV'))))")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)) == set(SWITCH_NAME.findall(path.read_text()))
+
+
+def test_switch_names_spelled_only_in_switches() -> None:
+    """Code in the package and the tests names a ``TITAN_DUALPIPE_*`` variable through
+    ``titan_dualpipe.switches``, never as a literal of its own (docstrings aside)."""
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
+    problems = []
+    for path in sorted(set(files) - {PACKAGE / "switches.py"}):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and SWITCH_NAME.fullmatch(node.value):
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
     assert not problems, "\n".join(problems)

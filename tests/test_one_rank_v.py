@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dist_pool import one_rank_process_group
 from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
+from titan_dualpipe.switches import TEST_PROBE_ENV
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def _train(out_dir: Path, *overrides: str, probe: bool = False) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     module = "titan_probe" if probe else "titan_dualpipe.titan"
     if probe:
-        env["TITAN_DUALPIPE_TEST_PROBE_DIR"] = str(out_dir)
+        env[TEST_PROBE_ENV] = str(out_dir)
     argv = [sys.executable, "-m", "titan_dualpipe", "train", shipped_config("debug_dualpipev", REGISTRY),
             "--nproc", "1", "--log-ranks", "all"]
     argv += ["--module", module] if REGISTRY else []

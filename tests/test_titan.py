@@ -33,6 +33,7 @@ import pytest
 from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
 from titan_dualpipe.orders import compute_order
 from titan_dualpipe.orders.two_batch import lone_forwards
+from titan_dualpipe.switches import FOLD_ENV, TEST_KILL_ENV, TEST_PROBE_ENV, TWO_BATCH_ENV
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,6 @@ CONFIGS = ROOT / "train_configs"
 REGISTRY_FILE = ROOT / "titan_dualpipe" / "titan" / "config_registry.py"
 STEPS = 6
 CHECKPOINT_STEP = 3
-PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
 VALIDATION_LINE = re.compile(r"\[rank(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*(-?[\d.]+)")
 
 # How the installed torchtitan spells what these tests ask for.
@@ -119,10 +119,10 @@ def train(name: str, out_dir: Path, *overrides: str, cwd: Path = ROOT, probe: bo
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
-    env.pop(PROBE_ENV, None)
+    env.pop(TEST_PROBE_ENV, None)
     module = "titan_probe" if probe else "titan_dualpipe.titan"
     if probe:
-        env[PROBE_ENV] = str(out_dir)
+        env[TEST_PROBE_ENV] = str(out_dir)
     probe_args = ["--experimental.custom_import", module] if probe and not REGISTRY else []
     titan_args = ["--module", module, "--config", name] if REGISTRY else ["--job.config_file", config(name)]
     if torchrun:
@@ -377,7 +377,7 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
         assert relayed["stages"] == plain["stages"]
 
     exchange = _ok(train("debug_moe_dualpipe", runs_dir / "moe_exchange", *common, probe=True, nproc=4,
-                         steps=steps, env=None if REGISTRY else {"TITAN_DUALPIPE_FOLD_TWINS": "0"}))
+                         steps=steps, env=None if REGISTRY else {FOLD_ENV: "0"}))
     assert all(exchange.probe(rank)["folded"] is False for rank in range(4))
     assert "twins summed by an exchange" + (" (spmd_backend=spmd_types;" if REGISTRY else "") in exchange.output
     _assert_twins_identical(exchange, 0, 2)
@@ -419,7 +419,7 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     args = ("--parallelism.pipeline_parallel_schedule", "DualPipeV", "--debug.deterministic", *two_rows,
             *FULL_AC)  # FULL_AC last (0.3.0)
     run = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v", *args, probe=True, nproc=4, steps=steps,
-                    env={"TITAN_DUALPIPE_TWO_BATCH": "1"}))
+                    env={TWO_BATCH_ENV: "1"}))
     assert FULL_AC_LOG in run.output and "run in two halves (two-batch overlap) on stages [3]" in run.output
     _assert_trains(run.losses(), steps)
     assert sorted(run.logged()) == [0, 1, 2, 3]
@@ -445,7 +445,7 @@ def test_a_killed_rank_is_named_by_the_other_rank_and_the_launcher(runs_dir: Pat
     group timeout; torchrun's monitor is slowed to 20 s so it is rank 0 that stops the run, and
     the launcher reports rank 0's error as the first real one (rank 1 wrote none)."""
     run = train("debug_dualpipe", runs_dir / "killed", probe=True,
-                env={"TITAN_DUALPIPE_TEST_KILL": "1:6", "PET_MONITOR_INTERVAL": "20"})
+                env={TEST_KILL_ENV: "1:6", "PET_MONITOR_INTERVAL": "20"})
     assert run.returncode != 0
     text = ANSI.sub("", run.output)
     assert re.search(r"\[rank0\]:.*PeerFailed: .*pipeline rank 1 \(global rank 1\)", text), text[-6000:]
@@ -1476,7 +1476,7 @@ def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
     table = matrix.markdown([matrix.Outcome("tp DualPipe (exchanged twins)", "0.2.2", True, "OK (worst rel 1e-05)")])
     assert "| tp | DualPipe (exchanged twins) | 0.2.2 | tested on CPU: OK" in table and "| cp |" in table
     assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "exchanged"), registry=False)[1] == {
-        "TITAN_DUALPIPE_FOLD_TWINS": "0"}
+        FOLD_ENV: "0"}
     assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "folded"), registry=True)[0] == (
         "--parallelism.spmd_backend", "partial_dtensor")
 

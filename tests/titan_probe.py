@@ -18,13 +18,12 @@ import json
 import os
 from pathlib import Path
 
+from titan_dualpipe.switches import TEST_KILL_ENV as KILL_ENV
+from titan_dualpipe.switches import TEST_PROBE_ENV as PROBE_ENV
 from titan_dualpipe.titan import GEN
 
 if GEN.registry:  # a config registry of one's own: our configs, imported from ours
     from titan_dualpipe.titan.config_registry import debug_dualpipe, debug_dualpipev, debug_moe_dualpipe  # noqa: F401
-
-PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"
-
 
 def _param_hashes(module) -> dict[str, str]:
     """Parameters and MoE expert biases (routing state), this rank's shard of each, bit for bit."""
@@ -90,9 +89,6 @@ def _install_probe(out_dir: str) -> None:
 
 if os.environ.get(PROBE_ENV):
     _install_probe(os.environ[PROBE_ENV])
-
-
-KILL_ENV = "TITAN_DUALPIPE_TEST_KILL"  # "RANK:N": that rank SIGKILLs itself at its N-th forward action
 
 
 def _install_killer(spec: str) -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from .launch import ANSI, dump_folder_flag, shipped_config
+from .switches import CPU_STAND_IN_ENV  # tests/gpu on the CPU: never in the kit
 from .torchtitan_version import REGISTRY_RELEASES, installed
 
 ROOT = Path(__file__).resolve().parent.parent  # tests/gpu and train_configs/ are relative to the checkout
@@ -54,7 +55,6 @@ TRAIN_STEPS = 20
 ONE_RANK_V_LOG = r"Using titan_dualpipe DualPipeV with (\d+) microbatches and 2 stages"
 TAIL_LINES = 20  # of a failed part's output, in the report
 STOP_GRACE_S = 40  # after SIGTERM: torchrun's agent stops its workers, then everything gets SIGKILL
-CPU_STAND_IN_ENV = "TITAN_DUALPIPE_GPU_TESTS_ON_CPU"  # tests/gpu on the CPU: never in the kit
 
 
 @dataclass(frozen=True)

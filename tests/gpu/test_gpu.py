@@ -35,10 +35,11 @@ from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm, Pen
 from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_parallel, split_parts
 from titan_dualpipe.runtime.comm_record import CommRecorder
 from titan_dualpipe.runtime.halves import register_exchange_rule
+from titan_dualpipe.switches import CPU_STAND_IN_ENV
 
-ON_CPU = os.environ.get("TITAN_DUALPIPE_GPU_TESTS_ON_CPU") == "1"
+ON_CPU = os.environ.get(CPU_STAND_IN_ENV) == "1"
 pytestmark = pytest.mark.skipif(not (ON_CPU or torch.cuda.is_available()),
-                                reason="needs a CUDA GPU (or TITAN_DUALPIPE_GPU_TESTS_ON_CPU=1)")
+                                reason=f"needs a CUDA GPU (or {CPU_STAND_IN_ENV}=1)")
 DEVICE = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
 MOE = MoEArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=64)
 

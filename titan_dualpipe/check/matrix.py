@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..launch import dump_folder_flag, logged_steps, shipped_config
+from ..switches import FOLD_ENV
 from ..torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +144,7 @@ def _twins_args(cell: Cell, registry: bool) -> tuple[tuple[str, ...], dict[str, 
     if cell.twins == "folded":
         return (("--parallelism.spmd_backend", "partial_dtensor") if registry else ()), {}
     if cell.twins == "exchanged" and not registry:
-        return (), {"TITAN_DUALPIPE_FOLD_TWINS": "0"}
+        return (), {FOLD_ENV: "0"}
     return (), {}  # 0.3.0's default spmd backend sums them by an exchange
 
 

@@ -35,8 +35,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from ..bench.titan import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
 from ..runtime.timeline import CpuClock, StepClock, clock_for, span_seconds
+from ..switches import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
 from .generation import GEN
 
 

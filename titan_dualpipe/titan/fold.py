@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..bench.titan import FOLD_ENV  # "0": sum DualPipe's twins by an exchange even under FSDP
+from ..switches import FOLD_ENV  # "0": sum DualPipe's twins by an exchange even under FSDP
 
 FOLDED_DIMS = frozenset({"fsdp", "efsdp", "dp_replicate", "ep", "etp", "tp"})
 FOLDING_BACKEND = "partial_dtensor"  # torchtitan 0.3.0's spmd_backend that looks FSDP meshes up as above

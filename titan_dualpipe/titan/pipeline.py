@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..switches import TWO_BATCH_ENV
 from . import fold
 from .config_check import Plan, our_schedule
 from .generation import GEN
@@ -204,8 +205,6 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
 def two_batch_option() -> bool:
     """Our schedules' ``two_batch_overlap`` from the environment (no config key in torchtitan 0.2.2):
     ``TITAN_DUALPIPE_TWO_BATCH=1`` splits the lone microbatches of the MoE stages; ``0`` or unset: off."""
-    from ..bench.titan import TWO_BATCH_ENV
-
     value = os.environ.get(TWO_BATCH_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on) or 0 (off, the default)")

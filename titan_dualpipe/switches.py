@@ -1,0 +1,20 @@
+"""Every ``TITAN_DUALPIPE_*`` environment variable, by name, in one place.
+
+No imports and no side effects: the torchtitan adapter, the tools and the tests all read their
+switches from here (``tests/test_docs.py`` checks that importing it imports no torch).
+"""
+
+# torchtitan training (:mod:`titan_dualpipe.titan`), both releases
+FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold); unset or "1": folded into FSDP
+TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
+
+# what ``bench titan`` passes to its trainer processes (:mod:`titan_dualpipe.titan.bench_probe`)
+BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record; unset: no probe
+EXCHANGE_S_ENV = "TITAN_DUALPIPE_BENCH_EXCHANGE_S"  # emulated seconds per expert all-to-all (CPU; "0": none)
+CALIBRATE_ENV = "TITAN_DUALPIPE_BENCH_CALIBRATE"  # set: time every MoE block's forward and backward
+COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "1": hand over between posting token counts and reading them
+
+# tests
+CPU_STAND_IN_ENV = "TITAN_DUALPIPE_GPU_TESTS_ON_CPU"  # "1": tests/gpu run on CPU/gloo (the GPU kit never sets it)
+TEST_PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"  # folder: tests/titan_probe.py records each rank's schedule there
+TEST_KILL_ENV = "TITAN_DUALPIPE_TEST_KILL"  # "RANK:N": tests/titan_probe.py makes that rank SIGKILL itself at its N-th forward
