@@ -25,9 +25,9 @@ from torch.distributed.pipelining import PipelineStage
 import overlap_cases
 from pipeline_cases import SCHEDULES, VOCAB, batch
 from titan_dualpipe import placement
-from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap.moe import MoETransformer
+from titan_dualpipe.testing.model import lm_loss
 
 TITAN_DIM, TITAN_EXPERTS, TITAN_BLOCKS_PER_PART = 16, 4, 1
 

@@ -22,14 +22,14 @@ from torch.distributed.pipelining import PipelineStage
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe._compat import runnable_on_gloo
-from titan_dualpipe.bench.model import compile_blocks
-from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
 from titan_dualpipe.overlap.comm import ExpertParallelComm
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from titan_dualpipe.testing.model import compile_blocks
+from titan_dualpipe.testing.model import lm_loss
 
 PP, EP = 2, 2
 # Process-group timeout of the pool and of the groups below: how long ranks wait for a

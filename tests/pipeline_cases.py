@@ -16,12 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from titan_dualpipe import placement
-from titan_dualpipe.bench.model import TinyLM, lm_loss, split_model
 from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test modules
     ATOL, MB_SIZE, RTOL, SCHEDULES, SEQ, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
     train_and_compare,
 )
 from titan_dualpipe.check import numerics as _numerics
+from titan_dualpipe.testing.model import TinyLM, lm_loss, split_model
 
 
 @lru_cache(maxsize=None)

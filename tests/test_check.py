@@ -79,7 +79,7 @@ def test_check_prints_the_communicator_model_it_judged_under(monkeypatch, capsys
     outcome = check_cli.Outcome(check_cli.Case("DualPipeV", 1, 1, 3), passed=True, order="completes",
                                 nccl_models=["eager init"])
     monkeypatch.setattr(check_cli, "_backend", lambda nproc, backend: "nccl")
-    monkeypatch.setattr("titan_dualpipe.bench.spawn.run_on_processes", lambda *a, **k: [asdict(outcome)])
+    monkeypatch.setattr("titan_dualpipe.testing.spawn.run_on_processes", lambda *a, **k: [asdict(outcome)])
     assert cli_main(["check", "--nproc", "1", "--backend", "nccl"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == ("NCCL order judged under eager init: init_process_group(device_id=...): one communicator "
@@ -92,7 +92,7 @@ def test_a_failing_case_is_shown_and_sets_the_exit_code(monkeypatch, capsys):
     failed = check_cli.Outcome(case, passed=False, order="would hang", error="rank 0: kernel 3 ...")
     from dataclasses import asdict
 
-    monkeypatch.setattr("titan_dualpipe.bench.spawn.run_on_processes", lambda *a, **k: [asdict(failed)])
+    monkeypatch.setattr("titan_dualpipe.testing.spawn.run_on_processes", lambda *a, **k: [asdict(failed)])
     assert cli_main(["check", "--nproc", "2", "--backend", "gloo"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "would hang" in out and "rank 0: kernel 3" in out

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from dist_pool import one_rank_process_group
-from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.overlap.comm import (CommStats, EmulatedNetwork, ExpertParallelComm, PendingAllToAll,
                                          all_to_all)
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel
 from titan_dualpipe.overlap.segments import run_to_completion
+from titan_dualpipe.testing.model import lm_loss
 
 ARGS = MoEArgs(vocab_size=64, dim=16, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=32)
 BENCH_CFG = dict(pp=1, ep=1, device="cpu", rounds=1, steps=1, microbatches=4, layers=2, dim=16, seq=8, experts=4,

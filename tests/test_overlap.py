@@ -19,12 +19,12 @@ import torch
 
 import overlap_cases as cases
 from dist_pool import WorkerPool
-from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.orders import compute_order
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.comm import CommStats, EmulatedNetwork, PendingAllToAll
 from titan_dualpipe.overlap.moe import _RECORD_KEY, MoEArgs, MoETransformer, split_parts
 from titan_dualpipe.overlap.segments import SegmentLeaves, interleave, run_to_completion
+from titan_dualpipe.testing.model import lm_loss
 
 WORLD = 4
 ARGS = MoEArgs(vocab_size=64, dim=32, n_layers=4, n_heads=2, num_experts=4, top_k=2, capacity_factor=1.0)

@@ -97,7 +97,7 @@ def test_torchs_split_backward_still_refuses_compiled_blocks():
     ``titan-dualpipe bench compile`` whether the split pays before using it."""
     import copy
 
-    from titan_dualpipe.bench.model import Block
+    from titan_dualpipe.testing.model import Block
 
     torch.manual_seed(0)
     plain = Block(dim=16, heads=2)

@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
-from titan_dualpipe.bench.model import TinyLM
 from titan_dualpipe.check.numerics import (batch, build_pipeline, grad_error, loss_error, reference_step,
                                            twins_identical)
+from titan_dualpipe.testing.model import TinyLM
 
 
 def _tensor_parallel(module: TinyLM, tp_mesh, with_loss_parallel: bool) -> None:

@@ -24,7 +24,6 @@ from torch import nn
 
 from titan_dualpipe import ScheduleDualPipeV, compute_order, placement
 from titan_dualpipe._compat import runnable_on_gloo
-from titan_dualpipe.bench.model import lm_loss
 from titan_dualpipe.check.numerics import ATOL, RTOL, batch, build_pipeline, reference_step, train_and_compare
 from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import lower
@@ -36,6 +35,7 @@ from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_para
 from titan_dualpipe.runtime.comm_record import CommRecorder
 from titan_dualpipe.runtime.halves import register_exchange_rule
 from titan_dualpipe.switches import CPU_STAND_IN_ENV
+from titan_dualpipe.testing.model import lm_loss
 
 ON_CPU = os.environ.get(CPU_STAND_IN_ENV) == "1"
 pytestmark = pytest.mark.skipif(not (ON_CPU or torch.cuda.is_available()),

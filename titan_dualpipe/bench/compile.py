@@ -39,7 +39,7 @@ from torch.profiler import record_function
 from .._compat import donated_buffers_off
 from ..cli import HelpFormatter
 from ..runtime.timeline import clock_for, span_seconds
-from .model import Block, compile_blocks
+from ..testing.model import Block, compile_blocks
 
 MODELS = ("mlp", "tinylm")
 DEVICES = ("cpu", "cuda")

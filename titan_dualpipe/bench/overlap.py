@@ -46,8 +46,8 @@ import torch.distributed as dist
 from ..cli import HelpFormatter
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
 from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
-from .model import compile_blocks, lm_loss
-from .spawn import run_on_processes
+from ..testing.model import compile_blocks, lm_loss
+from ..testing.spawn import run_on_processes
 
 DUALPIPE_CONFIGS = ("dualpipe_overlap", "dualpipe_sequential")
 # (name, run as a relay, overlap) of the runs with compiled blocks

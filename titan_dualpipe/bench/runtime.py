@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..cli import HelpFormatter
-from .model import TinyLM, lm_loss, split_model
-from .spawn import run_on_processes
+from ..testing.model import TinyLM, lm_loss, split_model
+from ..testing.spawn import run_on_processes
 
 OURS = ("DualPipeV", "DualPipeV sequential", "DualPipe")  # sequential: overlap=False
 TORCH = ("torch DualPipeV", "ZBVZeroBubble", "Interleaved1F1B")

@@ -58,7 +58,7 @@ from ..cli import HelpFormatter
 
 MIN_STEPS_TOL = "rtol 1e-5, atol 4e-5"
 # a rank blocked on a failed peer gives up after this; shorter than the world group's timeout
-# (bench.spawn: 5 minutes) so that the failed rank is still waiting in the agreement
+# (testing.spawn: 5 minutes) so that the failed rank is still waiting in the agreement
 CASE_TIMEOUT_S = 120.0
 FAULTS = ("grad", "setup", "step")
 # FSDP2 warns when a wrapped module returns a view: the last part's vocabulary head (F.linear
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     backend = _backend(args.nproc, args.backend)
-    from ..bench.spawn import run_on_processes
+    from ..testing.spawn import run_on_processes
 
     cases = cases_for(args.nproc, args.compile)
     outcomes = run_on_processes(_worker, args.nproc, cases, backend, args.fault, backend=backend)

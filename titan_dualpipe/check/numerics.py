@@ -23,8 +23,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
 from .._compat import _format_pipeline_order, compiler_fn
-from ..bench.model import TinyLM, compile_blocks, lm_loss, split_model
 from ..orders import Placement
+from ..testing.model import TinyLM, compile_blocks, lm_loss, split_model
 
 SCHEDULES: dict[str, type] = {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}
 RTOL, ATOL = 1e-5, 4e-5

@@ -87,7 +87,7 @@ def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repe
     ``stage``, a stage that is not its chain's first (there the weight part is the whole backward);
     on ``module`` in its place if given (an uncompiled copy of a compiled stage's module)."""
     from .._compat import stage_backward_input, stage_backward_weight
-    from ..bench.model import lm_loss
+    from ..testing.model import lm_loss
 
     module = stage.submod if module is None else module
     samples = []
@@ -112,7 +112,7 @@ def _measure(cfg: dict) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV
-    from ..bench.model import TinyLM, compile_blocks, lm_loss, split_model
+    from ..testing.model import TinyLM, compile_blocks, lm_loss, split_model
 
     rank = dist.get_rank()
     place = placement(cfg["schedule"], cfg["pp"], cfg["microbatches"])
@@ -195,7 +195,7 @@ def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step
 
 def _stage_activation_bytes(stage, place: Placement, rows: int, cfg: dict) -> int:
     """Bytes one microbatch's forward on ``stage`` keeps for its backward (loss included on a last stage)."""
-    from ..bench.model import lm_loss
+    from ..testing.model import lm_loss
 
     module = stage.submod
     if place.is_first(stage.stage_index):
@@ -351,7 +351,7 @@ def _print_result(result: dict, costs: Costs) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.spawn import run_on_processes
+    from ..testing.spawn import run_on_processes
 
     cfg = _config(args)
     schedule = cfg["schedule"]
