@@ -39,6 +39,7 @@ from torch.profiler import record_function
 from .._compat import donated_buffers_off
 from ..cli import HelpFormatter
 from ..runtime.timeline import clock_for, span_seconds
+from ..testing.compiled_calls import compiled_backwards_by_range
 from ..testing.model import Block, compile_blocks
 
 MODELS = ("mlp", "tinylm")
@@ -46,7 +47,6 @@ DEVICES = ("cpu", "cuda")
 BACKENDS = ("inductor", "aot_eager")
 KINDS = ("compiled", "eager")
 VARIANTS = ("full", "runtime", "torch split")
-COMPILED_BACKWARD_EVENT = "CompiledFunctionBackward"  # one profiler event per compiled backward call
 Key = tuple[str, str]  # (kind, variant)
 Sample = tuple[float, float, float]  # seconds per microbatch: (I + W, or the full backward; I; W)
 
@@ -233,25 +233,6 @@ class _Kind:
 
 
 SPLIT_RANGES = {"I": "split:I", "W": "split:W"}  # profiler ranges around torch's split halves
-
-
-def compiled_backwards_by_range(fn: Callable[[], Any]) -> dict[str, int]:
-    """Compiled backward calls ``fn()`` ran (profiler events ``CompiledFunctionBackward``) by the
-    range they ran in: a pipeline action's profiler name (``PP:1I0``, ``PP:1W0``, as the executor
-    names them) or a ``split:`` range; calls outside any such range under ``''``."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    events = prof.events()
-    ranges = [e for e in events if e.name.startswith(("PP:", "split:"))]
-    counts: dict[str, int] = {r.name: 0 for r in ranges}
-    for event in events:
-        if event.name != COMPILED_BACKWARD_EVENT:
-            continue
-        inside = [r.name for r in ranges
-                  if r.time_range.start <= event.time_range.start and event.time_range.end <= r.time_range.end]
-        key = inside[-1] if inside else ""
-        counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def backward_calls_at(counts: dict[str, int], stage_index: int = 1) -> dict[str, int]:

@@ -179,7 +179,7 @@ def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step
     :func:`costs_from` counts kinds: a chain-first stage's W is its full backward (``B``), its I
     nothing."""
     from .._compat import _get_profiler_function_name
-    from ..bench.compile import compiled_backwards_by_range
+    from ..testing.compiled_calls import compiled_backwards_by_range
 
     actions = {_get_profiler_function_name(a): a for a in schedule.pipeline_order_with_comms[rank] if a is not None}
     counts: dict[str, int] = dict.fromkeys(COMPUTE_KINDS, 0)
