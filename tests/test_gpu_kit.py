@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_dualpipe import gpu_kit
+from titan_dualpipe.check import gpu_kit
 from titan_dualpipe.cli import build_parser, main
 from titan_dualpipe.torchtitan_version import REGISTRY_RELEASES, installed
 
@@ -37,8 +37,10 @@ def test_dry_run_lists_every_part_as_a_command_of_this_python(capsys):
 
 
 def test_dry_run_pytest_points_at_the_gpu_tests(capsys):
+    """The parts run in ``gpu_kit.ROOT``, the checkout, where their relative paths resolve."""
     (_, argv), = _dry_run(capsys, "--parts", "tests/gpu")
-    assert argv[2] == "pytest" and (ROOT / argv[-1] / "test_gpu.py").is_file()
+    assert gpu_kit.ROOT == ROOT
+    assert argv[2] == "pytest" and (gpu_kit.ROOT / argv[-1] / "test_gpu.py").is_file()
 
 
 def test_dry_run_subcommands_parse_with_our_command_line(capsys):

@@ -17,7 +17,7 @@ COMMAND_MODULES = (
     "titan_dualpipe.launch",  # train (torchtitan is imported only when it runs)
     "titan_dualpipe.sim.cli",  # simulate, draw
     "titan_dualpipe.sim.profile",  # profile
-    "titan_dualpipe.gpu_kit",  # gpu-kit (every part runs in a subprocess)
+    "titan_dualpipe.check.gpu_kit",  # gpu-kit (every part runs in a subprocess)
     "titan_dualpipe.check.matrix",  # matrix (torchtitan runs in subprocesses)
 )
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .launch import ANSI, dump_folder_flag, shipped_config
-from .switches import CPU_STAND_IN_ENV  # tests/gpu on the CPU: never in the kit
-from .torchtitan_version import REGISTRY_RELEASES, installed
+from ..launch import ANSI, dump_folder_flag, shipped_config
+from ..switches import CPU_STAND_IN_ENV  # tests/gpu on the CPU: never in the kit
+from ..torchtitan_version import REGISTRY_RELEASES, installed
 
-ROOT = Path(__file__).resolve().parent.parent  # tests/gpu and train_configs/ are relative to the checkout
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (titan_dualpipe/check/gpu_kit.py): tests/gpu, train_configs/
 TRAIN_NAME = "debug_dualpipev"  # a shipped config: its TOML for 0.2.2, a config_registry function for 0.3.0
 ONE_RANK = ("--parallelism.pipeline_parallel_degree", "1")  # DualPipeV's two stages on the one rank
 TRAIN_STEPS = 20
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .cli import HelpFormatter
+    from ..cli import HelpFormatter
 
     p = subparsers.add_parser("gpu-kit", help="everything one GPU can prove, with a Markdown report",
                               description=__doc__, formatter_class=HelpFormatter)
