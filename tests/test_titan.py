@@ -866,6 +866,90 @@ def test_dualpipe_overlap_switch_and_with_dualpipe() -> None:
         with_dualpipe(plain.training)
 
 
+def test_dualpipe_two_batch_overlap_field() -> None:
+    """0.3.0: ``--dualpipe.two-batch-overlap`` (off by default, also through ``with_dualpipe``)."""
+    if not REGISTRY:
+        pytest.skip("0.2.2 has no config key for two-batch overlap: TITAN_DUALPIPE_TWO_BATCH=1 alone")
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from titan_dualpipe.titan import GEN
+    from titan_dualpipe.titan.trainer_config import with_dualpipe
+
+    default = _job_config("debug_moe_dualpipe")
+    assert default.dualpipe.two_batch_overlap is False and GEN.two_batch_overlap(default) is False
+    on = _job_config("debug_moe_dualpipe", "--dualpipe.two-batch-overlap")
+    assert on.dualpipe.two_batch_overlap is True and GEN.two_batch_overlap(on) is True
+    assert on.dualpipe.overlap is True
+    assert GEN.two_batch_overlap(llama3_debugmodel()) is False  # a plain Trainer.Config: off
+    assert GEN.two_batch_overlap(with_dualpipe(llama3_debugmodel(), two_batch_overlap=True)) is True
+
+
+class _RecordedSchedule:
+    """Stands in for our schedule class: keeps the keywords the builder passes."""
+
+    fsdp_at_step_edges = False
+    two_batch_stages: frozenset = frozenset()
+
+    def __init__(self, stages: list, **kwargs) -> None:
+        self.kwargs = kwargs
+
+
+# (config switch given, TITAN_DUALPIPE_TWO_BATCH, two_batch_overlap the schedule gets): either turns it on
+TWO_BATCH_CASES = [(False, None, False), (False, "0", False), (False, "1", True),
+                   (True, None, True), (True, "0", True), (True, "1", True)]
+
+
+@pytest.fixture
+def active_run_kept():
+    """The adapter's record of this process's pipeline, restored after the test."""
+    from titan_dualpipe.titan.pipeline import ACTIVE
+
+    saved = dict(vars(ACTIVE))
+    yield ACTIVE
+    vars(ACTIVE).clear()
+    vars(ACTIVE).update(saved)
+
+
+@pytest.mark.parametrize("field,env,expected", TWO_BATCH_CASES)
+def test_two_batch_overlap_reaches_the_schedule_built(field: bool, env: str | None, expected: bool,
+                                                      monkeypatch: pytest.MonkeyPatch, active_run_kept) -> None:
+    """The config's switch (0.3.0) and the environment (both releases) as the trainer hooks
+    record them, through torchtitan's pipeline-schedule builder as we replace it, to our class's
+    ``two_batch_overlap``."""
+    if field and not REGISTRY:
+        pytest.skip("0.2.2 has no config key for two-batch overlap")
+    from titan_dualpipe.titan import pipeline, trainer_hooks
+
+    monkeypatch.setattr(trainer_hooks.expert_overlap, "install", lambda: None)
+    monkeypatch.setattr(pipeline, "schedule_class", lambda name: _RecordedSchedule)
+    if env is None:
+        monkeypatch.delenv(TWO_BATCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TWO_BATCH_ENV, env)
+    job = _job_config("debug_dualpipev", *(["--dualpipe.two-batch-overlap"] if field else []))
+    trainer_hooks.prepare(job)
+
+    def torchtitans(*args, **kwargs):
+        raise AssertionError("torchtitan's own builder ran for our schedule")
+
+    par, batch = job.parallelism, job.training.local_batch_size
+    if REGISTRY:
+        built = pipeline.make_build_schedule_030(torchtitans)(
+            parallelism=par, local_batch_size=batch, stages=[], loss_fn=lambda *a: (a, None))
+    else:
+        built = pipeline.make_build_schedule(torchtitans)(job, [], lambda *a: a)
+    assert isinstance(built, _RecordedSchedule)
+    assert built.kwargs["two_batch_overlap"] is expected and built.kwargs["overlap"] is True
+
+
+def test_a_bad_two_batch_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from titan_dualpipe.titan import pipeline
+
+    monkeypatch.setenv(TWO_BATCH_ENV, "yes")
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_TWO_BATCH='yes': use 1 \(on\) or 0"):
+        pipeline.two_batch_option()
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_cpu_attention_equals_flex_attention_and_has_a_backward() -> None:
     """0.3.0's CPU mode attends with plain tensor ops: flex attention's outputs and log-sum-exp for

@@ -49,6 +49,14 @@ class Generation:
             return getattr(getattr(config, "dualpipe", None), "overlap", True)
         return config.parallelism.pipeline_parallel_expert_parallel_overlap
 
+    def two_batch_overlap(self, config: Any) -> bool:
+        """The config's two-batch overlap switch: ours, ``dualpipe.two_batch_overlap`` (0.3.0; false
+        without the section); 0.2.2 has no key for it (false: the environment alone decides,
+        :func:`.pipeline.two_batch_option`)."""
+        if self.registry:
+            return getattr(getattr(config, "dualpipe", None), "two_batch_overlap", False)
+        return False
+
     def n_layers(self, config: Any) -> int | None:
         """The model's transformer layer count, as torchtitan's pipeline split counts it."""
         if self.registry:

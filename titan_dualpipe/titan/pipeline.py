@@ -19,6 +19,8 @@ calls the builder with keywords; :mod:`.generation` holds the names):
   The overlap switch (0.2.2: torchtitan's ``[parallelism]
   pipeline_parallel_expert_parallel_overlap``; 0.3.0: our ``dualpipe.overlap``; default true)
   becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
+  Two-batch overlap (0.3.0: our ``dualpipe.two_batch_overlap``; both releases:
+  ``TITAN_DUALPIPE_TWO_BATCH=1``; either turns it on) becomes our ``two_batch_overlap=``.
 
 DualPipeV at ``pipeline_parallel_degree`` 1 is a V of two stages on each rank (one GPU, or
 pairs overlapping expert-parallel exchanges without pipeline ranks): ``ParallelDims`` is patched
@@ -52,6 +54,7 @@ class ActiveRun:
 
     plan: Plan | None = None
     overlap: bool = True
+    two_batch: bool = False  # the config's two-batch overlap switch (0.3.0: dualpipe.two_batch_overlap)
     stages: list[Any] = field(default_factory=list)
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
     expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
@@ -203,12 +206,14 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
 
 
 def two_batch_option() -> bool:
-    """Our schedules' ``two_batch_overlap`` from the environment (no config key in torchtitan 0.2.2):
-    ``TITAN_DUALPIPE_TWO_BATCH=1`` splits the lone microbatches of the MoE stages; ``0`` or unset: off."""
+    """Our schedules' ``two_batch_overlap``: on when the config's switch is (0.3.0:
+    ``--dualpipe.two-batch-overlap``, recorded in ``ACTIVE.two_batch``) or the environment has
+    ``TITAN_DUALPIPE_TWO_BATCH=1`` (both releases; 0.2.2 has no config key): either turns it on,
+    ``0`` does not turn the config's switch off. On, it splits the lone microbatches of the MoE stages."""
     value = os.environ.get(TWO_BATCH_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on) or 0 (off, the default)")
-    return value == "1"
+    return ACTIVE.two_batch or value == "1"
 
 
 def _two_batch_note(schedule: Any, par: Any) -> str:

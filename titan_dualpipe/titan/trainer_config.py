@@ -1,10 +1,12 @@
-"""torchtitan 0.3.0: a trainer config with our ``dualpipe`` section (the overlap switch).
+"""torchtitan 0.3.0: a trainer config with our ``dualpipe`` section (the overlap switches).
 
 torchtitan 0.3.0 has no config key for our schedules' ``overlap`` (0.2.2 reused its
-``pipeline_parallel_expert_parallel_overlap``), and its configs are dataclasses whose fields
-are the command line. :class:`DualPipeTrainer` is torchtitan's ``Trainer`` unchanged; its
-``Config`` adds one section, so ``--dualpipe.no-overlap`` runs overlapped pairs one after the
-other. A plain ``Trainer.Config`` works with our schedules too, with overlap on.
+``pipeline_parallel_expert_parallel_overlap``) or ``two_batch_overlap``, and its configs are
+dataclasses whose fields are the command line. :class:`DualPipeTrainer` is torchtitan's
+``Trainer`` unchanged; its ``Config`` adds one section, so ``--dualpipe.no-overlap`` runs
+overlapped pairs one after the other and ``--dualpipe.two-batch-overlap`` turns two-batch
+overlap on. A plain ``Trainer.Config`` works with our schedules too, with overlap on and
+two-batch overlap off (``TITAN_DUALPIPE_TWO_BATCH=1`` turns it on in either config, and on 0.2.2).
 
 In a ``config_registry``::
 
@@ -31,6 +33,13 @@ class DualPipeOptions:
     """Overlap the forward and backward halves of DualPipe / DualPipeV's overlapped pairs
     (relay or module protocol); false runs them one after the other. Same results either way."""
 
+    two_batch_overlap: bool = False
+    """Run each lone forward (one without a pair partner) of a stage that posts expert-parallel
+    exchanges as two halves, one computing while the other's exchange is in flight (needs
+    ``overlap`` and microbatches of >= 2 rows). On when this is true or when the environment has
+    ``TITAN_DUALPIPE_TWO_BATCH=1`` (either turns it on; the variable alone also works on
+    torchtitan 0.2.2, which has no config key for it)."""
+
 
 class DualPipeTrainer(Trainer):
     """torchtitan's ``Trainer``; its ``Config`` carries :class:`DualPipeOptions`."""
@@ -40,7 +49,8 @@ class DualPipeTrainer(Trainer):
         dualpipe: DualPipeOptions = field(default_factory=DualPipeOptions)
 
 
-def with_dualpipe(config: Trainer.Config, overlap: bool = True) -> DualPipeTrainer.Config:
+def with_dualpipe(config: Trainer.Config, overlap: bool = True,
+                  two_batch_overlap: bool = False) -> DualPipeTrainer.Config:
     """``config`` (a ``Trainer.Config``) with the ``dualpipe`` section added, every other field kept."""
     if type(config) is not Trainer.Config and not isinstance(config, DualPipeTrainer.Config):
         raise ValueError(
@@ -48,5 +58,5 @@ def with_dualpipe(config: Trainer.Config, overlap: bool = True) -> DualPipeTrain
             "add a `dualpipe: DualPipeOptions` field to that config class instead."
         )
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values["dualpipe"] = DualPipeOptions(overlap=overlap)
+    values["dualpipe"] = DualPipeOptions(overlap=overlap, two_batch_overlap=two_batch_overlap)
     return DualPipeTrainer.Config(**values)

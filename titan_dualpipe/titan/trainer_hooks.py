@@ -1,7 +1,7 @@
 """Hooks on torchtitan's trainer and metrics for our schedules.
 
 - ``Trainer.init_distributed``: before it creates the process group, resolve shipped-asset
-  paths, check the config (:mod:`.config_check`), record the plan and the overlap switch and,
+  paths, check the config (:mod:`.config_check`), record the plan and the overlap switches and,
   for our schedules, make torchtitan's expert-parallel exchanges hand-over points of
   overlapped pairs (:mod:`.expert_overlap`). Both ways torchtitan loads us (0.2.2's
   ``custom_import``, 0.3.0's import of a ``config_registry`` that imports ours) run before the
@@ -47,6 +47,7 @@ def prepare(job_config: Any) -> None:
     n_layers = GEN.n_layers(job_config) if our_schedule(job_config.parallelism.pipeline_parallel_schedule) else None
     ACTIVE.plan = check_job_config(job_config, n_layers)
     ACTIVE.overlap = GEN.overlap(job_config)
+    ACTIVE.two_batch = GEN.two_batch_overlap(job_config)
     if ACTIVE.plan is None:
         return
     if not cpu.accelerator_present():
