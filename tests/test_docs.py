@@ -6,9 +6,11 @@
   uses; a line without placeholders also parses with the real parser (values, choices,
   required arguments), and ``gpu-kit`` lines run with ``--dry-run`` (``python -m
   titan_dualpipe``).
-- Every ``bootstrap.py`` line names one of its commands, a supported torch or torchtitan, test
-  paths and markers that exist, and a valid ``titan-dualpipe`` command where it runs one.
-- Every relative link in ``README.md``, ``docs/`` and ``benchmarks/`` resolves, anchors included.
+- Every ``bootstrap.py`` line (on the pages and in the sub-commands' ``--help``) names one of
+  its commands, a supported torch or torchtitan, test paths and markers that exist, and a valid
+  ``titan-dualpipe`` command where it runs one.
+- Every relative link in ``README.md``, ``docs/`` and ``benchmarks/`` resolves, anchors included,
+  and so does every ``docs/<page>.md#<anchor>`` the code, tests, configs and CI scripts point at.
 - ``docs/make_pictures.py`` draws exactly the pictures ``docs/`` holds.
 - Repository paths and ``titan_dualpipe.*`` names in code spans exist.
 - The dependency rule of ``docs/architecture.md`` holds on the real imports.
@@ -107,6 +109,19 @@ def titan_dualpipe_commands() -> list[Shown]:
 
 def bootstrap_commands() -> list[Shown]:
     return [c for page in COMMAND_DOCS for c in _commands(page, "bootstrap")]
+
+
+def bootstrap_commands_in_help() -> list[Shown]:
+    """``bootstrap.py`` lines that the sub-commands' ``--help`` shows (e.g. ``matrix``'s)."""
+    shown = []
+    for path, (_, text) in help_texts().items():
+        for line in text.splitlines():
+            tokens = _tokens(line)
+            for i, token in enumerate(tokens):
+                if token.endswith("titan_dualpipe/bootstrap.py"):
+                    shown.append(Shown(f"titan-dualpipe {' '.join(path)} --help", line.strip(), tuple(tokens[i + 1:])))
+                    break
+    return shown
 
 
 def is_synopsis(args: tuple[str, ...]) -> bool:
@@ -366,6 +381,26 @@ def link_problems(page: Path) -> list[str]:
     return [f"{page.relative_to(ROOT)}: {p}" for p in problems]
 
 
+def code_pointers() -> list[tuple[Path, str, str]]:
+    """(file, page, anchor) of every ``docs/<page>.md`` or ``docs/<page>.md#<anchor>`` that the
+    code, tests, configs and CI scripts point at."""
+    files = [p for top in ("titan_dualpipe", "tests", "train_configs", ".ci") for p in (ROOT / top).rglob("*")
+             if p.is_file() and p.suffix in (".py", ".toml", "")]
+    return [(path, page, anchor) for path in sorted(files)
+            for page, anchor in re.findall(r"\bdocs/([\w-]+\.md)(?:#([\w-]+))?", path.read_text(errors="replace"))]
+
+
+def code_pointer_problems(pointers: list[tuple[Path, str, str]]) -> list[str]:
+    problems = []
+    for path, page, anchor in pointers:
+        target = ROOT / "docs" / page
+        if not target.exists():
+            problems.append(f"{path.relative_to(ROOT)}: docs/{page} does not exist")
+        elif anchor and anchor not in slugs(target):
+            problems.append(f"{path.relative_to(ROOT)}: no heading #{anchor} in docs/{page}")
+    return problems
+
+
 # ---- the tests --------------------------------------------------------------------------------
 
 
@@ -386,6 +421,13 @@ def test_titan_dualpipe_commands() -> None:
 
 def test_bootstrap_commands() -> None:
     problems = [f"{c}\n    {p}" for c in bootstrap_commands() for p in check_bootstrap(c.args)]
+    assert not problems, "\n".join(problems)
+
+
+def test_bootstrap_commands_in_help() -> None:
+    shown = bootstrap_commands_in_help()
+    assert any(c.page == "titan-dualpipe matrix --help" for c in shown)
+    problems = [f"{c}\n    {p}" for c in shown for p in check_bootstrap(c.args)]
     assert not problems, "\n".join(problems)
 
 
@@ -417,6 +459,13 @@ def test_links_resolve(page: Path) -> None:
 @pytest.mark.parametrize("page", COMMAND_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_paths_and_names_exist(page: Path) -> None:
     problems = span_problems(page)
+    assert not problems, "\n".join(problems)
+
+
+def test_code_points_at_doc_pages_that_exist() -> None:
+    pointers = code_pointers()
+    assert sum(bool(anchor) for _, _, anchor in pointers) >= 3
+    problems = code_pointer_problems(pointers)
     assert not problems, "\n".join(problems)
 
 

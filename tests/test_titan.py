@@ -290,7 +290,7 @@ def test_dualpipe_resume_continues_with_same_losses(runs_dir: Path, dualpipe_run
 
 @pytest.mark.titan_e2e
 def test_finished_run_goes_on_from_its_last_checkpoint(runs_dir: Path, dualpipe_run: Run) -> None:
-    """The README's resume: started again with more steps, a finished run loads its last
+    """docs/torchtitan.md's resume (checkpoints): started again with more steps, a finished run loads its last
     checkpoint (the shipped configs save it with the training state; torchtitan's default saves
     it model-only, and loading that fails on the missing data-loader state)."""
     extended = runs_dir / "extended"
@@ -659,7 +659,7 @@ def test_train_configs_load_and_validate(name: str) -> None:
         assert dataset == DATASET_NAME and Path(tokenizer).resolve() == TOKENIZER_DIR
 
 
-GPU_CONFIGS = {  # config -> the world it is written for (the README's launch commands)
+GPU_CONFIGS = {  # config -> the world it is written for (docs/torchtitan.md's launch commands)
     "llama3_8b_dualpipev": {"world": 8, "pp": 4, "dp_shard": 2, "ep": 1, "stages": 8,
                             "compile": (False, ["model", "loss"])},  # torchtitan's compile settings, kept
     "deepseek_v3_16b_dualpipe": {"world": 16, "pp": 4, "dp_shard": 4, "ep": 4, "stages": 8,
@@ -1144,7 +1144,8 @@ def test_launcher_takes_the_config_form_of_the_installed_torchtitan(tmp_path: Pa
     toml = str(CONFIGS / "debug_dualpipev.toml")
     launch._check_config(toml, "0.2.2")
     launch._check_config("debug_dualpipev", "0.3.0")
-    with pytest.raises(ValueError, match=r"torchtitan 0.3.0 has no TOML configs.*e\.g\. debug_dualpipev"):
+    with pytest.raises(ValueError, match=r"torchtitan 0.3.0 has no TOML configs.*e\.g\. debug_dualpipev.*"
+                                         r"see docs/torchtitan\.md#shipped-configs"):
         launch._check_config(toml, "0.3.0")
     with pytest.raises(ValueError, match=r"torchtitan 0.2.2 reads TOML files.*train_configs/debug_dualpipev\.toml"):
         launch._check_config("debug_dualpipev", "0.2.2")

@@ -1,8 +1,9 @@
 """Loaded inside torchtitan's trainer processes by the end-to-end tests (``tests/test_titan.py``).
 
 torchtitan 0.2.2 loads it with ``--experimental.custom_import titan_probe``; on 0.3.0 it is the
-``--module`` of the run: a user's own config registry that imports ours (the pattern the README
-documents), so ``--module titan_probe --config debug_dualpipe`` runs our config with the probe.
+``--module`` of the run: a user's own config registry that imports ours (the pattern
+docs/torchtitan.md documents), so ``--module titan_probe --config debug_dualpipe`` runs our
+config with the probe.
 
 With ``PROBE_ENV`` set it records, at ``Trainer.close``, each rank's schedule class, its
 ``overlap`` setting, whether DualPipe's twins were folded into FSDP, how many pairs ran as a

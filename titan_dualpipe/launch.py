@@ -7,7 +7,7 @@ way ``torchrun --standalone`` does (it calls ``torch.distributed.run``) and runs
 trainer with titan_dualpipe loaded in each. Arguments that are not this command's own go to
 torchtitan, e.g. ``--training.steps 20``. When processes fail it reports the first real error
 (not the stop signal the others then receive), parse errors included. Multi-node clusters use
-``torchrun`` directly (see the README).
+``torchrun`` directly (docs/torchtitan.md#clusters-plain-torchrun).
 
 Importing this module needs neither torch nor torchtitan: the sub-command is listed even where
 torchtitan is missing, and says so when run.
@@ -157,7 +157,7 @@ def _check_config(config: str, release: str) -> None:
     if uses_config_registry(release) and is_toml:
         raise ValueError(
             f"torchtitan {release} has no TOML configs; give a config name instead of {config!r} "
-            f"(ours: e.g. {stem}, from --module {DEFAULT_MODULE}; see the README)"
+            f"(ours: e.g. {stem}, from --module {DEFAULT_MODULE}; see docs/torchtitan.md#shipped-configs)"
         )
     if not uses_config_registry(release) and not is_toml:
         raise ValueError(

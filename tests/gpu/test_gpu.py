@@ -313,7 +313,7 @@ def test_relay_halves_switch_on_the_right_device_and_stream():
 
 
 def test_bench_overlap_runs_on_this_device():
-    """The one-GPU overlap benchmark (README figures come from a longer run of it)."""
+    """The one-GPU overlap benchmark (the GPU kit's ``bench overlap`` part is a longer run of it)."""
     from titan_dualpipe.bench.overlap import measure
 
     cfg = dict(pp=1, ep=1, device=DEVICE.type, rounds=1, steps=1, microbatches=4, layers=2, dim=32, seq=16,

@@ -14,7 +14,7 @@ reference's. Layouts the CPU cannot run (context parallelism) are listed with th
 
     titan-dualpipe matrix                 # every cell the installed torchtitan supports
     titan-dualpipe matrix --only tp       # cells whose layout name contains "tp"
-    python3 titan_dualpipe/bootstrap.py --torchtitan 0.3.0 matrix   # the other generation
+    python3 titan_dualpipe/bootstrap.py --torchtitan 0.3.0 run -m titan_dualpipe matrix   # the other generation
 """
 
 from __future__ import annotations

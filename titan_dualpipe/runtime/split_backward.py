@@ -8,7 +8,7 @@ then W. Some regions cannot be run twice, or pay twice when they are:
   its saved values serve one backward; the second stops with "Trying to backward an extra
   time";
 - full activation checkpointing recomputes its region in each backward, so I and W pay for
-  the recomputation twice (measured: far more than twice, see the README).
+  the recomputation twice (measured: far more than twice, docs/activation_checkpointing.md).
 
 - torch.compile'd modules: a compiled backward runs once per graph (after one full backward it
   refuses ``retain_graph``, "donated buffers", pytorch#161904), and a W after an I would run the
@@ -37,8 +37,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 from .._compat import checkpoint_regions_seen
 
 # Region kinds seen in a forward that make its backward run whole at I. "checkpoint" covers
-# full activation checkpointing too: one recomputation instead of two (README, "Activation
-# checkpointing", for the measurement).
+# full activation checkpointing too: one recomputation instead of two (docs/activation_checkpointing.md
+# for the measurement).
 WHOLE_BACKWARD_REGIONS = frozenset({"selective", "checkpoint"})
 
 StageRule = Callable[[torch.nn.Module], str]
