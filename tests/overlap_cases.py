@@ -196,7 +196,7 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
     """Two-batch overlap on (``True``: the stages with exchanges, here all) against the reference and against the
     same pipeline with it off: losses and every gradient, two steps with Adam between; counts
     the microbatches split, the halves the module interleaved itself and the relays' hand-overs."""
-    from titan_dualpipe.overlap import halves as halves_module
+    from titan_dualpipe.overlap import two_batch as halves_module
 
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)

@@ -981,20 +981,20 @@ def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str) -> 
 def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
     """:func:`numerics` with ``two_batch_overlap="all"`` (TinyLM has no exchanges);
     counts the microbatches that ran in halves."""
-    from titan_dualpipe.overlap import halves
+    from titan_dualpipe.overlap import two_batch
 
     joins: list = []
-    real = halves.join_halves
+    real = two_batch.join_halves
 
     def counted(outputs, sizes):
         joins.append(sizes)
         return real(outputs, sizes)
 
-    halves.join_halves = counted
+    two_batch.join_halves = counted
     try:
         result = numerics(schedule, pp, n, two_batch_overlap="all", **kwargs)
     finally:
-        halves.join_halves = real
+        two_batch.join_halves = real
     if result is not None:
         result["split"] = len(joins)
     return result

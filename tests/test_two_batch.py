@@ -14,9 +14,9 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from titan_dualpipe._compat import B, F, OVERLAP_F_B, _Action
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
-from titan_dualpipe.overlap.halves import join_halves, run_forward_in_halves, split_batch
+from titan_dualpipe.overlap.two_batch import join_halves, run_forward_in_halves, split_batch
 from titan_dualpipe.overlap.relay import hand_over
-from titan_dualpipe.runtime.halves import two_batch_stages
+from titan_dualpipe.runtime.two_batch import two_batch_stages
 from titan_dualpipe.runtime.split_backward import SplitDecisions
 
 

@@ -39,7 +39,7 @@ def _install_probe(out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
-    from titan_dualpipe.overlap import halves, pair
+    from titan_dualpipe.overlap import pair, two_batch
 
     trainer_class = importlib.import_module(GEN.trainer_module).Trainer
     original_close = trainer_class.close
@@ -54,7 +54,7 @@ def _install_probe(out_dir: str) -> None:
 
     pair.run_relayed = counted_run_relayed
     split = {"microbatches": 0, "relays": 0, "hand_overs": 0}  # two-batch overlap's halves
-    join_halves, halves_relayed = halves.join_halves, halves.run_relayed
+    join_halves, halves_relayed = two_batch.join_halves, two_batch.run_relayed
 
     def counted_join(outputs, sizes):
         split["microbatches"] += 1
@@ -66,7 +66,7 @@ def _install_probe(out_dir: str) -> None:
         split["hand_overs"] += done.hand_overs
         return done
 
-    halves.join_halves, halves.run_relayed = counted_join, counted_halves_relayed
+    two_batch.join_halves, two_batch.run_relayed = counted_join, counted_halves_relayed
 
     def close(self) -> None:
         schedule = getattr(self, "pp_schedule", None)

@@ -33,7 +33,7 @@ from titan_dualpipe.overlap import relay as relay_module
 from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm, PendingAllToAll
 from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_parallel, split_parts
 from titan_dualpipe.runtime.comm_record import CommRecorder
-from titan_dualpipe.runtime.halves import register_exchange_rule
+from titan_dualpipe.runtime.two_batch import register_exchange_rule
 from titan_dualpipe.switches import CPU_STAND_IN_ENV
 from titan_dualpipe.testing.model import lm_loss
 

@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import checkpoint
 
-from ..runtime.halves import register_exchange_rule
+from ..runtime.two_batch import register_exchange_rule
 from .comm import ExpertParallelComm, all_to_all
 from ..split import split_layers
 from .segments import Root, SegmentLeaves, Step, boundary, interleave, root_of, run_to_completion, segment_backward

@@ -60,7 +60,7 @@ def overlap_implementation(forward_module: nn.Module, backward_module: nn.Module
 
 
 class OverlappedHalves(Protocol):
-    """Two-batch overlap provided by the stage module (:mod:`~titan_dualpipe.overlap.halves`):
+    """Two-batch overlap provided by the stage module (:mod:`~titan_dualpipe.overlap.two_batch`):
     one lone microbatch's two halves, interleaved at the module's exchanges. Modules without it
     run the halves as a relay."""
 

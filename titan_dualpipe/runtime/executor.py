@@ -61,7 +61,7 @@ from .fsdp import fsdp_modules, unshard_all
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
 from ..orders.two_batch import lone_forwards
-from .halves import halves_runner
+from .two_batch import halves_runner
 from .split_backward import SplitDecisions
 from .timeline import StepClock, TimedAction, clock_for, span_seconds
 

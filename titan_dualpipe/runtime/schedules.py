@@ -43,7 +43,7 @@ from .executor import StepExecutor
 from .failures import record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
-from .halves import two_batch_stages
+from .two_batch import two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
@@ -73,7 +73,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     - ``two_batch_overlap`` (default False): True runs each forward that has no pair partner on
       two halves of its microbatch, relayed like a pair, so each half's exchanges hide behind the
       other half's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage
-      (:mod:`titan_dualpipe.runtime.halves`, :mod:`titan_dualpipe.overlap.halves`).
+      (:mod:`titan_dualpipe.runtime.two_batch`, :mod:`titan_dualpipe.overlap.two_batch`).
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 

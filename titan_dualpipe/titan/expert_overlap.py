@@ -147,7 +147,7 @@ def install(*, count_exchange: bool = False) -> None:
     """Route torchtitan's expert-parallel all-to-all through the relay (idempotent); with
     ``count_exchange`` (bench runs) its token-count exchange through ``comm.count_exchange`` too.
     Our schedules' two-batch overlap then counts torchtitan's MoE stages as stages with exchanges."""
-    from ..runtime.halves import register_exchange_rule
+    from ..runtime.two_batch import register_exchange_rule
 
     register_exchange_rule(has_expert_parallel_moe)
     if GEN.registry:

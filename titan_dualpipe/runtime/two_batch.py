@@ -2,7 +2,7 @@
 
 A forward with no partner runs its microbatch as two halves, relayed like a pair
 (:mod:`titan_dualpipe.orders.two_batch` says which microbatches;
-:mod:`titan_dualpipe.overlap.halves` runs them and registers itself here, so the dependencies
+:mod:`titan_dualpipe.overlap.two_batch` runs them and registers itself here, so the dependencies
 run one way: orders -> runtime -> overlap).
 
 The schedule option ``two_batch_overlap``:

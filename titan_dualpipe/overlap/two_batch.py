@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .._compat import _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from ..runtime.executor import StepExecutor
 from ..runtime.fsdp import fsdp_modules, gathered_for_both_halves
-from ..runtime.halves import register_halves_runner
+from ..runtime.two_batch import register_halves_runner
 from .comm import warn_once_if_exchange_traced
 from .protocol import halves_implementation
 from .relay import run_relayed
