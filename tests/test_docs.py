@@ -537,6 +537,24 @@ def test_dependency_rule(layer: str) -> None:
     assert not problems, "\n".join(problems)
 
 
+def imported_modules(path: Path) -> set[Path]:
+    """The package's module files that ``path`` imports by relative import (TYPE_CHECKING ones too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = path.parent.joinpath(*[".."] * (node.level - 1), *(node.module or "").split(".")).resolve()
+            names = [base] if node.module else [base / a.name for a in node.names]
+            found |= {m for n in names for m in (n.with_suffix(".py"), n / "__init__.py") if m.exists()}
+    return found
+
+
+def test_executor_and_two_batch_runner_import_one_way() -> None:
+    """executor.py looks the two-batch runner up in runtime/two_batch.py, which never imports it back."""
+    executor, two_batch = PACKAGE / "runtime" / "executor.py", PACKAGE / "runtime" / "two_batch.py"
+    assert two_batch in imported_modules(executor)
+    assert executor not in imported_modules(two_batch)
+
+
 def test_switches_load_without_torch() -> None:
     """``switches.py`` imports nothing: run on its own, it leaves torch unimported and defines
     every ``TITAN_DUALPIPE_*`` name (the package's ``__init__`` imports torch, so the file is

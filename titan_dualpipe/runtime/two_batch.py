@@ -8,7 +8,8 @@ run one way: orders -> runtime -> overlap).
 The schedule option ``two_batch_overlap``:
 
 - ``False`` (default): off. Halves pay each op's fixed costs twice and a second latency per
-  exchange; on the CPU benchmarks here that outweighed what they hide (README, Benchmarks).
+  exchange; on the CPU benchmarks here that outweighed what they hide
+  (benchmarks/2026-11-26-cpu-xeon-2core.md#two-batch-overlap).
 - ``True``: stages whose module posts expert-parallel exchanges (a rule registered with
   :func:`register_exchange_rule` says so: our MoE module, torchtitan's MoE under expert
   parallelism); elsewhere splitting has nothing to hide.
@@ -21,14 +22,11 @@ A microbatch whose batch dimension is 1 cannot be split and runs whole.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .._compat import _Action
-
-if TYPE_CHECKING:
-    from .executor import StepExecutor
 
 ExchangeRule = Callable[[torch.nn.Module], bool]
 _exchange_rules: list[ExchangeRule] = []
@@ -58,10 +56,13 @@ def two_batch_stages(option: bool | str, overlap: bool, modules: dict[int, torch
 
 
 class HalvesRunner(Protocol):
-    def forward(self, executor: "StepExecutor", action: _Action) -> None:
+    """``executor`` is the :class:`~titan_dualpipe.runtime.executor.StepExecutor` that calls the
+    runner; typed ``Any`` so that executor.py imports this module and not the other way round."""
+
+    def forward(self, executor: Any, action: _Action) -> None:
         """Run a lone F action on two halves of its microbatch (or whole, when it cannot split)."""
 
-    def backward(self, executor: "StepExecutor", action: _Action, run: Callable[[], None]) -> None:
+    def backward(self, executor: Any, action: _Action, run: Callable[[], None]) -> None:
         """Run ``run`` (the B, I or W action of a microbatch whose forward ran in halves) with its
         backward on the two halves."""
 
