@@ -38,6 +38,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -191,71 +192,115 @@ class RelayedMoETransformer(MoETransformer):
     overlapped_halves_backward = None
 
 
+@dataclass
+class _Parts:
+    """Builds this rank's stages of the benchmark model (every copy from the same initial weights)."""
+
+    model: MoETransformer
+    pp: int
+    pp_rank: int
+    pp_group: Any
+    comm: ExpertParallelComm
+    device: torch.device
+
+    def ready(self, module: MoETransformer, relay: bool = False,
+              compile_backend: str | None = None) -> MoETransformer:
+        """``module`` relayed (no overlap protocols) if asked, over ``comm``, on the device, compiled if asked."""
+        if relay:
+            module.__class__ = RelayedMoETransformer
+        expert_parallel(module, self.comm)
+        module.to(self.device)
+        if compile_backend:
+            compile_blocks(module.layers.values(), compile_backend)
+        return module
+
+    def v_modules(self, relay: bool = False, compile_backend: str | None = None) -> dict[int, MoETransformer]:
+        """A fresh copy of this rank's two DualPipeV parts (the same model split again), by stage."""
+        parts = split_parts(self.model, 2 * self.pp)
+        return {s: self.ready(parts[s], relay, compile_backend) for s in (self.pp_rank, 2 * self.pp - 1 - self.pp_rank)}
+
+    def dualpipe_modules(self, n: int) -> dict[int, MoETransformer]:
+        """This rank's two DualPipe parts (a model part per direction), by stage."""
+        from .. import placement
+
+        place = placement("DualPipe", self.pp, n)
+        parts = split_parts(self.model, self.pp)
+        return {s: self.ready(parts[place.model_part(s)]) for s in place.stages_of(self.pp_rank)}
+
+    def stages(self, modules: dict[int, MoETransformer]) -> list:
+        from torch.distributed.pipelining import PipelineStage
+
+        return [PipelineStage(m, s, 2 * self.pp, self.device, group=self.pp_group) for s, m in modules.items()]
+
+
 def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> dict[str, tuple[Any, bool]]:
     """Config name -> (schedule, whether this rank passes inputs and targets)."""
-    from torch.distributed.pipelining import PipelineStage
+    device = _device()
+    torch.manual_seed(0)
+    parts = _Parts(MoETransformer(_model_args(cfg)), cfg["pp"], pp_rank, pp_group, comm, device)
+    out = _v_schedules(parts, cfg["microbatches"])
+    if cfg["relay"]:
+        out |= _relay_schedules(parts, cfg["microbatches"])
+    if cfg["compile"]:
+        out |= _compiled_schedules(parts, cfg["microbatches"], cfg["compile"], cfg["relay"])
+    if cfg["dualpipe"]:
+        out |= _dualpipe_schedules(parts, cfg["microbatches"])
+    return out
+
+
+def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
+    """Ours with and without overlap and two-batch overlap, and torch's V schedules: all on the
+    same modules, so on the same weights."""
     from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
-    from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
+    from .. import ScheduleDualPipeV
     from .._compat import runnable_on_gloo
 
-    pp, device = cfg["pp"], _device()
-    torch.manual_seed(0)
-    model = MoETransformer(_model_args(cfg))
-    n, v_ids = cfg["microbatches"], (pp_rank, 2 * pp - 1 - pp_rank)
-    v_parts = split_parts(model, 2 * pp)
-    v_modules = [v_parts[s] for s in v_ids]
-    for m in v_modules:
-        expert_parallel(m, comm)
-        m.to(device)
-
-    def v_stages() -> list:
-        return [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(v_modules, v_ids, strict=True)]
-
-    feeds_v = pp_rank == 0
-    out: dict[str, tuple[Any, bool]] = {
-        "overlap": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=True), feeds_v),
-        "overlap_two_batch": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=True,
-                                                two_batch_overlap=True), feeds_v),
-        "sequential": (ScheduleDualPipeV(v_stages(), n, loss_fn=lm_loss, overlap=False), feeds_v),
-        "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(v_stages(), n, loss_fn=lm_loss)), feeds_v),
-        "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(v_stages(), n, loss_fn=lm_loss)), feeds_v),
+    modules, feeds = parts.v_modules(), parts.pp_rank == 0
+    return {
+        "overlap": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True), feeds),
+        "overlap_two_batch": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True,
+                                                two_batch_overlap=True), feeds),
+        "sequential": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=False), feeds),
+        "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(parts.stages(modules), n, loss_fn=lm_loss)), feeds),
+        "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(parts.stages(modules), n, loss_fn=lm_loss)), feeds),
     }
-    def v_copies(relay: bool = False, compile_backend: str | None = None) -> list:
-        """Stages of a fresh copy of the V parts (same initial weights: the same model split again)."""
-        copies = [split_parts(model, 2 * pp)[s] for s in v_ids]
-        for m in copies:
-            if relay:
-                m.__class__ = RelayedMoETransformer
-            expert_parallel(m, comm)
-            m.to(device)
-            if compile_backend:
-                compile_blocks(m.layers.values(), compile_backend)
-        return [PipelineStage(m, s, 2 * pp, device, group=pp_group) for m, s in zip(copies, v_ids, strict=True)]
 
-    if cfg["relay"]:
-        out["overlap_relay"] = (ScheduleDualPipeV(v_copies(relay=True), n, loss_fn=lm_loss, overlap=True), feeds_v)
-        out["relay_two_batch"] = (ScheduleDualPipeV(v_copies(relay=True), n, loss_fn=lm_loss, overlap=True,
-                                                    two_batch_overlap=True), feeds_v)
-    backend = cfg["compile"]
-    if backend:  # each run its own compiled copies (graphs guard on their module)
-        for name, relay, overlap in COMPILED_CONFIGS:
-            if relay and not cfg["relay"]:
-                continue
-            stages = v_copies(relay=relay, compile_backend=backend)
-            out[name] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap), feeds_v)
-    if cfg["dualpipe"]:
-        place = placement("DualPipe", pp, n)
-        parts = split_parts(model, pp)
-        modules = {s: parts[place.model_part(s)] for s in place.stages_of(pp_rank)}
-        for m in modules.values():
-            expert_parallel(m, comm)
-            m.to(device)
-        for name, overlap in zip(DUALPIPE_CONFIGS, (True, False), strict=True):
-            stages = [PipelineStage(m, s, 2 * pp, device, group=pp_group) for s, m in modules.items()]
-            out[name] = (ScheduleDualPipe(stages, n, loss_fn=lm_loss, overlap=overlap), True)
+
+def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
+    """Overlap and two-batch overlap as a relay, each on its own copy."""
+    from .. import ScheduleDualPipeV
+
+    feeds = parts.pp_rank == 0
+    return {
+        "overlap_relay": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
+                                            overlap=True), feeds),
+        "relay_two_batch": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
+                                              overlap=True, two_batch_overlap=True), feeds),
+    }
+
+
+def _compiled_schedules(parts: _Parts, n: int, backend: str, relay_too: bool) -> dict[str, tuple[Any, bool]]:
+    """:data:`COMPILED_CONFIGS`, each on its own compiled copy (graphs guard on their module)."""
+    from .. import ScheduleDualPipeV
+
+    out = {}
+    for name, relay, overlap in COMPILED_CONFIGS:
+        if relay and not relay_too:
+            continue
+        stages = parts.stages(parts.v_modules(relay=relay, compile_backend=backend))
+        out[name] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap), parts.pp_rank == 0)
     return out
+
+
+def _dualpipe_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
+    """DualPipe with and without overlap, on the same modules (every rank passes inputs)."""
+    from .. import ScheduleDualPipe
+
+    modules = parts.dualpipe_modules(n)
+    return {name: (ScheduleDualPipe(parts.stages(modules), n, loss_fn=lm_loss, overlap=overlap), True)
+            for name, overlap in zip(DUALPIPE_CONFIGS, (True, False), strict=True)}
 
 
 def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelComm,

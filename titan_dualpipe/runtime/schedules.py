@@ -99,13 +99,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         two_batch_overlap: bool | str = False,
         record_timeline: bool = False,
     ) -> None:
-        modules = {s.stage_index: s.submod for s in stages} if isinstance(stages, (list, tuple)) else {}
-        split_stages = two_batch_stages(two_batch_overlap, overlap, modules)  # checked before any collective
-        _agree_on_construction(self.schedule_name, stages, n_microbatches)
-        self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
-        stages = sorted(stages, key=lambda s: s.stage_index)
+        split_stages = self._check_and_place(stages, n_microbatches, overlap, two_batch_overlap)
         super().__init__(
-            stages=stages,
+            stages=sorted(stages, key=lambda s: s.stage_index),
             n_microbatches=n_microbatches,
             loss_fn=loss_fn,
             args_chunk_spec=args_chunk_spec,
@@ -115,18 +111,41 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             backward_requires_autograd=backward_requires_autograd,
             **schedule_kwargs(defer_pp_recv=defer_pp_recv),
         )
+        self._init_step_state(defer_pp_recv)
+        self._map_stages_to_ranks()
+        self._choose_how_actions_run(overlap, split_stages, record_timeline)
+        self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
+        self._prepare_schedule_with_comms(self.pipeline_order)
+
+    def _check_and_place(self, stages: list[_PipelineStageBase], n_microbatches: int, overlap: bool,
+                         two_batch_overlap: bool | str) -> set[int]:
+        """Check the options (before any collective), agree on the construction across ranks and
+        set the placement; returns the stages whose lone microbatches run in halves."""
+        modules = {s.stage_index: s.submod for s in stages} if isinstance(stages, (list, tuple)) else {}
+        split_stages = two_batch_stages(two_batch_overlap, overlap, modules)
+        _agree_on_construction(self.schedule_name, stages, n_microbatches)
+        self.placement = placement(self.schedule_name, stages[0].group_size, n_microbatches)
+        return split_stages
+
+    def _init_step_state(self, defer_pp_recv: bool) -> None:
         self._defer_pp_recv = defer_pp_recv
         self._step_losses: dict[int, torch.Tensor] = {}  # this step's losses by microbatch (last stages)
         self._step_loss_kwargs: dict | None = None
         self._failure_scope = schedule_scope(self._stages[0].group)
         self._steps_run = 0
         self._agreed_inputs: dict[bool, tuple] = {}  # by has_backward: the signature of the inputs agreed on
+
+    def _map_stages_to_ranks(self) -> None:
+        """Tell each stage which rank holds every stage and, under DualPipe (two chains), where its own chain ends."""
         place = self.placement
         self.stage_index_to_group_rank = {s: place.rank_of(s) for s in range(place.num_stages)}
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             if place.bidirectional:
                 set_chain_ends(stage, first=place.is_first(stage.stage_index), last=place.is_last(stage.stage_index))
+
+    def _choose_how_actions_run(self, overlap: bool, split_stages: set[int], record_timeline: bool) -> None:
+        """Pairs overlapped or not, lone forwards in halves, FSDP at the step's edges, whole backwards."""
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
@@ -137,8 +156,6 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         # activation-checkpoint regions add their microbatches step by step (runtime/split_backward.py)
         self.whole_backward_stages = {s.stage_index for s in self._stages if whole_backward_reason(s.submod)}
         self.whole_backwards: set[tuple[int, int]] = set()
-        self.pipeline_order = compute_order(self.schedule_name, place.pp_size, n_microbatches)
-        self._prepare_schedule_with_comms(self.pipeline_order)
 
     def _folds_twins(self) -> bool:
         """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""
