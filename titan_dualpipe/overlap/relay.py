@@ -60,7 +60,7 @@ row, it draws its forward's dropout masks even when the block spans hand-overs. 
 therefore bitwise equal to the forward, then the backward, when the backward half's draws
 come only from such restored states (or it draws nothing): sequentially, too, the
 generators end where the forward ended. Two halves of one microbatch
-(:mod:`~titan_dualpipe.overlap.halves`): the first draws the masks of the two halves run
+(:mod:`~titan_dualpipe.overlap.two_batch`): the first draws the masks of the two halves run
 one after the other, the second other masks of its own. A forward that never hands over
 runs its backward after it on one stream: sequential exactly.
 """
