@@ -6,16 +6,14 @@ import contextlib
 import copy
 import os
 import tempfile
-import weakref
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from titan_dualpipe import placement
+from titan_dualpipe.testing.memory import LiveTensorBytes
 from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test modules
     ATOL, MB_SIZE, RTOL, SCHEDULES, SEQ, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
     train_and_compare,
@@ -125,35 +123,6 @@ def _check_eval(reference, place, modules: dict, x, y, n: int, out, losses: list
     want = torch.cat([ref_out[mb * MB_SIZE:(mb + 1) * MB_SIZE] for mb in mbs])
     torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
     return len(mbs)
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Live and peak bytes of the CPU tensors created while active (storages counted once,
-    released when torch frees them; views of an op's inputs, such as a weight's transpose, are
-    no new storage)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._held: set[int] = set()
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._held.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self._held and key not in inputs:
-                    self._held.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._release, key, storage.nbytes())
-        return out
 
 
 def eval_held_outputs(schedule: str, pp: int, n: int, *, two_batch: bool = False, grad: bool = False) -> dict | None:
@@ -605,11 +574,23 @@ def folded_twins(pp: int, n: int, steps: int = 2) -> dict:
     return {**result, "folded": seen == [True], "rank": rank, "events": recorder.events}
 
 
+_block_recomputes: dict[str, int] = {}  # block name -> forwards of its MLP run inside a backward (recomputations)
+
+
+def _count_block_forwards(layer, name: str) -> None:
+    def count(*_):
+        if torch._C._current_graph_task_id() != -1:
+            _block_recomputes[name] = _block_recomputes.get(name, 0) + 1
+
+    layer.w1.register_forward_pre_hook(count)
+
+
 def _checkpoint_layers(module, style: str) -> None:
     """Wrap the blocks' forwards in torch's non-reentrant checkpoint, as user code does it.
 
     ``selective``: every block under selective AC (saving matmuls and attention);
-    ``mixed``: blocks in turn selective AC, full AC, no AC (torchtitan's every-k-th layer mode).
+    ``mixed``: blocks in turn selective AC, full AC, no AC (torchtitan's every-k-th layer mode);
+    ``none``: no block (only the recomputation counter).
     """
     import functools
 
@@ -623,7 +604,8 @@ def _checkpoint_layers(module, style: str) -> None:
 
     selective = functools.partial(create_selective_checkpoint_contexts, policy)
     for name, layer in module.layers.items():
-        kind = "selective" if style == "selective" else ("selective", "full", "none")[int(name) % 3]
+        _count_block_forwards(layer, name)
+        kind = style if style in ("selective", "none") else ("selective", "full", "none")[int(name) % 3]
         if kind != "none":
             context = {"context_fn": selective} if kind == "selective" else {}
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **context)
@@ -642,12 +624,26 @@ def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) 
     def factory(stages, n, **schedule_kwargs):
         for stage in stages:
             _checkpoint_layers(stage.submod, style)
-        built.append(SCHEDULES[schedule](stages, n, **schedule_kwargs))
-        return built[-1]
+        sched = SCHEDULES[schedule](stages, n, **schedule_kwargs)
+        step = sched.step
+
+        def counted_step(*args, **step_kwargs):  # recomputations of the last step only (not stage initialisation's)
+            _block_recomputes.clear()
+            return step(*args, **step_kwargs)
+
+        sched.step = counted_step
+        built.append(sched)
+        return sched
 
     result = train_and_compare(schedule, pp, n, group, rank, factory=factory, **kwargs)
-    layers = {s.stage_index: sorted(s.submod.layers) for s in built[0]._stages}
-    return {**result, "whole_at_input": sorted(built[0].whole_backwards), "layers": layers}
+    sched = built[0]
+    layers = {s.stage_index: sorted(s.submod.layers) for s in sched._stages}
+    return {**result, "whole_at_input": sorted(sched.whole_backwards), "layers": layers,
+            "deferred_gemms": dict(sched.weight_queue.ran), "recomputes": dict(_block_recomputes),
+            "linears": {s.stage_index: len(sched.deferred_weights.get(s.stage_index, [])) for s in sched._stages},
+            "deferred_names": dict(sched.deferred_weights),
+            "linear_modules": {s.stage_index: sum(isinstance(m, torch.nn.Linear) for m in s.submod.modules())
+                               for s in sched._stages}}
 
 
 # -- torch's schedule contract: cycle-free steps, custom functions, static metadata, traced stages --
@@ -972,10 +968,12 @@ RUNTIMES["ours_selective_ac"] = _with_checkpointed_blocks("selective")
 RUNTIMES["ours_mixed_ac"] = _with_checkpointed_blocks("mixed")
 
 
-def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str) -> dict | None:
-    """:func:`numerics` with FSDP2 on checkpointed blocks; also how many backwards ran whole at I."""
-    result = numerics(schedule, pp, n, fsdp=True, runtime=runtime)
-    return {**result, "whole_at_input": len(_BUILT_WITH_CHECKPOINTS[0].whole_backwards)}
+def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str, **kwargs) -> dict | None:
+    """:func:`numerics` with FSDP2 on checkpointed blocks; also how many backwards ran whole at I
+    and how many weight GEMMs waited for W (last step)."""
+    result = numerics(schedule, pp, n, fsdp=True, runtime=runtime, **kwargs)
+    sched = _BUILT_WITH_CHECKPOINTS[0]
+    return {**result, "whole_at_input": len(sched.whole_backwards), "deferred_gemms": sum(sched.weight_queue.ran.values())}
 
 
 def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:

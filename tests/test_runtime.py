@@ -12,7 +12,7 @@ import pipeline_cases as cases
 import tp_cases
 from dist_pool import WorkerPool
 from titan_dualpipe import _compat
-from titan_dualpipe.orders import compute_order
+from titan_dualpipe.orders import compute_order, placement
 from titan_dualpipe.orders.two_batch import lone_forwards
 
 WORLD = 4
@@ -174,22 +174,93 @@ def test_twins_folded_into_fsdp(pool, pp, n):
     check_completes({r["rank"]: r["events"] for r in ran})
 
 
-@pytest.mark.parametrize("schedule,pp,n,style", [
-    ("DualPipeV", 2, 5, "selective"), ("DualPipeV", 4, 8, "mixed"),
-    ("DualPipe", 2, 4, "selective"), ("DualPipe", 4, 8, "mixed"),
-])
-def test_activation_checkpointed_blocks(pool, schedule, pp, n, style):
+AC_CASES = [("DualPipeV", 2, 5, "selective"), ("DualPipeV", 4, 8, "mixed"),
+            ("DualPipe", 2, 4, "selective"), ("DualPipe", 4, 8, "mixed")]
+
+
+def _checkpointed(r: dict, style: str) -> set[int]:
+    """The stages of a rank that hold a checkpointed block (``mixed``: every block but each third)."""
+    return {s for s, names in r["layers"].items() if any(style == "selective" or int(name) % 3 != 2 for name in names)}
+
+
+def _checkpointed_blocks(r: dict, style: str) -> set[str]:
+    return {name for names in r["layers"].values() for name in names if style == "selective" or int(name) % 3 != 2}
+
+
+@pytest.mark.parametrize("schedule,pp,n,style", AC_CASES)
+def test_activation_checkpointed_blocks_with_torchs_split(pool, schedule, pp, n, style):
     """Blocks under torch's checkpoint(use_reentrant=False), selective (create_selective_checkpoint_contexts)
-    and full, as user code writes it: losses and every gradient equal the reference without AC; the
-    backwards of exactly the microbatches of stages holding a checkpointed block run whole at I."""
-    ran = _ran(pool.run(cases.checkpointed_numerics, schedule=schedule, pp=pp, n=n, style=style))
+    and full, as user code writes it, with ``weight_gradients="split"``: losses and every gradient
+    equal the reference without AC; the backwards of exactly the microbatches of stages holding a
+    checkpointed block run whole at I."""
+    ran = _ran(pool.run(cases.checkpointed_numerics, schedule=schedule, pp=pp, n=n, style=style,
+                        weight_gradients="split"))
     assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
     assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
     for r in ran:
-        checkpointed = {s for s, names in r["layers"].items()
-                        if any(style == "selective" or int(name) % 3 != 2 for name in names)}
+        checkpointed = _checkpointed(r, style)
         assert {s for s, _ in r["whole_at_input"]} == checkpointed, r
         assert len(r["whole_at_input"]) == len(checkpointed) * (n // 2 if schedule == "DualPipe" else n), r
+        assert not r["deferred_gemms"], r
+
+
+@pytest.mark.parametrize("schedule,pp,n,style", [*AC_CASES[:2], ("DualPipe", 4, 8, "selective"), AC_CASES[3]])
+def test_activation_checkpointed_blocks_defer_their_weight_gemms(pool, schedule, pp, n, style):
+    """The same blocks under the default ``weight_gradients="deferred"``: every gradient equals the
+    reference; no I runs whole, every I (all stages but a chain's first, whose I has nothing to
+    do) queues one weight GEMM per nn.Linear for its W (counted in the last step); each checkpointed block is recomputed
+    exactly once per microbatch (counted inside the last step's backwards), an unchecked one never."""
+    ran = _ran(pool.run(cases.checkpointed_numerics, schedule=schedule, pp=pp, n=n, style=style))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert sum(c for r in ran for c in r["deferred_gemms"].values()) > 0
+    assert any(_checkpointed_blocks(r, style) for r in ran)
+    per_stage = n // 2 if schedule == "DualPipe" else n
+    order = compute_order(schedule, pp, n)
+    for r in ran:
+        assert not r["whole_at_input"], r
+        for stage, linears in r["linears"].items():
+            assert linears == r["linear_modules"][stage] > 0, r
+            inputs = [a for acts in order.values() for a in acts
+                      if a is not None and a.stage_index == stage and a.computation_type == _compat.I]
+            first = placement(schedule, pp, n).is_first(stage)
+            want = 0 if first else linears * len(inputs)  # the last step's
+            assert r["deferred_gemms"].get(stage, 0) == want, (stage, r)
+        checkpointed = _checkpointed_blocks(r, style)
+        for name in (n for names in r["layers"].values() for n in names):
+            assert r["recomputes"].get(name, 0) == (per_stage if name in checkpointed else 0), (name, r)
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
+@pytest.mark.parametrize("weight_gradients,not_deferred", [
+    ("whole", ()), ("split", ()), ("deferred", ("output", "layers.*.w2")),
+])
+def test_weight_gradient_modes(pool, schedule, weight_gradients, not_deferred):
+    """pp 4, no AC: every mode gives the reference's gradients. ``whole``: every I runs the full
+    backward; ``split``: none does and nothing is deferred; ``deferred`` with names left out: those
+    modules keep autograd's weight gradient, the others' GEMMs wait for W."""
+    pp, n = 4, 8
+    ran = _ran(pool.run(cases.checkpointed_numerics, schedule=schedule, pp=pp, n=n, style="none",
+                        weight_gradients=weight_gradients, not_deferred=list(not_deferred)))
+    assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
+    order = compute_order(schedule, pp, n)
+    place = placement(schedule, pp, n)
+    for r in ran:
+        inputs = {s: sum(1 for acts in order.values() for a in acts
+                         if a is not None and a.stage_index == s and a.computation_type == _compat.I)
+                  for s in r["layers"]}
+        whole = {s: sum(1 for stage, _ in r["whole_at_input"] if stage == s) for s in r["layers"]}
+        if weight_gradients == "whole":  # every microbatch of every stage, should its backward be an I
+            per_stage = n // 2 if schedule == "DualPipe" else n
+            assert set(whole.values()) == {per_stage} and not r["deferred_gemms"] and not r["deferred_names"], r
+            continue
+        assert not any(whole.values()), r
+        if weight_gradients == "split":
+            assert not r["deferred_gemms"] and not r["deferred_names"], r
+            continue
+        for s, names in r["deferred_names"].items():
+            assert sorted(names) == sorted(f"layers.{layer}.{m}" for layer in r["layers"][s] for m in ("qkv", "proj", "w1"))
+            want = 0 if place.is_first(s) else len(names) * inputs[s]
+            assert r["deferred_gemms"].get(s, 0) == want, (s, r)
 
 
 @pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 5), ("DualPipe", 2, 4)])
@@ -274,12 +345,19 @@ def test_configuration_errors_are_value_and_runtime_errors(pool, schedule):
     ("DualPipeV", 2, 5, "ours_selective_ac"), ("DualPipe", 2, 4, "ours_mixed_ac"),  # 2 (pp) x 2 (dp) mesh
     ("DualPipeV", 4, 8, "ours_mixed_ac"),  # 4 x 1
 ])
-def test_checkpointed_blocks_with_fsdp2(pool, schedule, pp, n, runtime):
+@pytest.mark.parametrize("weight_gradients", ["deferred", "split"])
+def test_checkpointed_blocks_with_fsdp2(pool, schedule, pp, n, runtime, weight_gradients):
     """Checkpointed blocks (selective AC; selective / full / none in turn) inside nested fully_shard:
-    every loss and gradient equal the reference without AC on every rank."""
-    ran = _ran(pool.run(cases.checkpointed_fsdp_numerics, schedule=schedule, pp=pp, n=n, runtime=runtime))
+    every loss and gradient equal the reference without AC on every rank (FSDP2 reduces after the
+    last W). Deferred: weight GEMMs waited for W, no backward ran whole; split: some ran whole."""
+    ran = _ran(pool.run(cases.checkpointed_fsdp_numerics, schedule=schedule, pp=pp, n=n, runtime=runtime,
+                        weight_gradients=weight_gradients))
     assert len(ran) == WORLD and max(r["grad_err"] for r in ran) <= cases.ATOL
-    assert sum(r["whole_at_input"] for r in ran) > 0, ran
+    if weight_gradients == "deferred":  # DualPipe at pp 2 has I actions on its chains' first stages only
+        can_defer = not (schedule == "DualPipe" and pp == 2)
+        assert (sum(r["deferred_gemms"] for r in ran) > 0) == can_defer and not any(r["whole_at_input"] for r in ran), ran
+    else:
+        assert sum(r["whole_at_input"] for r in ran) > 0 and not any(r["deferred_gemms"] for r in ran), ran
 
 
 @pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 2, 4), ("DualPipeV", 1, 2)])
@@ -345,8 +423,8 @@ def test_eval_holds_no_output_it_does_not_return(pool, schedule, pp, n, two_batc
 @pytest.mark.parametrize("with_loss_parallel,fsdp", [(True, False), (False, False), (True, True)],
                          ids=["loss_parallel", "gathered_logits", "fsdp_x_tp"])
 def test_tensor_parallel_matches_reference(pool, schedule, n, with_loss_parallel, fsdp):
-    """pp 2 x tp 2: sharded parameters and gradients (DualPipe's twin copies and sums among them)
-    and, with loss parallel, DTensor losses (swapped between DualPipe's ends) match the reference;
+    """pp 2 x tp 2: sharded parameters and gradients (DualPipe's twin copies and sums among them;
+    DualPipeV's weight GEMMs deferred on sharded weights) and, with loss parallel, DTensor losses (swapped between DualPipe's ends) match the reference;
     also with FSDP2 over TP (parameters sharded on two mesh dimensions)."""
     ran = _ran(pool.run(tp_cases.tp_numerics, schedule=schedule, n=n, with_loss_parallel=with_loss_parallel,
                         fsdp=fsdp))
@@ -356,6 +434,9 @@ def test_tensor_parallel_matches_reference(pool, schedule, n, with_loss_parallel
     # TP shards the MLPs and the head; FSDP2 shards every parameter
     assert all(r["sharded_grads"] > 0 and (fsdp or r["grads_checked"] > r["sharded_grads"]) for r in ran)
     assert sum(r["dtensor_losses"] for r in ran) == (ends * 2 * n if with_loss_parallel else 0)
+    # deferred weight GEMMs on sharded weights (DualPipe at pp 2 runs I only on its chains' first stages)
+    assert all(r["deferred_dtensor_weights"] > 0 for r in ran)
+    assert all((r["deferred_gemms"] > 0) == (schedule == "DualPipeV") for r in ran), ran
     if schedule == "DualPipe":
         assert all(r["twin_parts"] == 2 for r in ran)
 

@@ -7,6 +7,8 @@ switches from here (``tests/test_docs.py`` checks that importing it imports no t
 # torchtitan training (:mod:`titan_dualpipe.titan`), both releases
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold); unset or "1": folded into FSDP
 TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
+WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "split" or "whole"
+NOT_DEFERRED_ENV = "TITAN_DUALPIPE_NOT_DEFERRED"  # comma-separated module names / fnmatch patterns kept out of deferral
 
 # what ``bench titan`` passes to its trainer processes (:mod:`titan_dualpipe.titan.bench_probe`)
 BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record; unset: no probe

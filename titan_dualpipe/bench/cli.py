@@ -10,6 +10,7 @@ BENCHMARKS = {
     "overlap": "titan_dualpipe.bench.overlap",
     "titan": "titan_dualpipe.bench.titan",
     "compile": "titan_dualpipe.bench.compile",
+    "backward": "titan_dualpipe.bench.backward",
 }
 
 

@@ -108,7 +108,8 @@ class StepExecutor:
         self.done_early: set[_Action] = set()  # communication posted ahead of its place
         self.backward_count: Counter[int] = schedule.backward_counter
         self.backward_at_weight: set[tuple[int, int]] = set()
-        self.split = SplitDecisions(schedule.whole_backward_stages)
+        self.split = SplitDecisions(schedule.whole_backward_stages, schedule.weight_gradients,
+                                    schedule.deferred_weight_stages)
         self.two_batch: set[tuple[int, int]] = set()  # (stage, mb) whose forward runs in halves if it can
         self.halves: dict[tuple[int, int], Any] = {}  # microbatches that ran in halves, until their backward
         self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
@@ -285,16 +286,23 @@ class StepExecutor:
         if action.computation_type == I and self.place.is_first(s):
             self.backward_at_weight.add((s, mb))
             return
-        full = action.computation_type == B or self.split.whole_at_input(s, mb)
-        if not full:
-            _unshard_nested(stage)
-        stage.backward_one_chunk(
-            mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
-        )
-        if full:
+        how = "whole" if action.computation_type == B else self.split.at_input(s, mb)
+        if how == "deferred":  # full backward; the weight GEMMs wait in the queue for W, which counts it
+            with self.schedule.weight_queue.collecting((s, mb)):
+                stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=False)
             self._backward_done(s, mb)
-            if action.computation_type == I:
-                self.split.ran_at_input(s, mb)
+            self.split.ran_at_input(s, mb, how)
+        else:
+            if how == "split":
+                _unshard_nested(stage)
+            full = how == "whole"
+            stage.backward_one_chunk(
+                mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
+            )
+            if full:
+                self._backward_done(s, mb)
+                if action.computation_type == I:
+                    self.split.ran_at_input(s, mb, how)
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
@@ -306,7 +314,9 @@ class StepExecutor:
         if self.split.weight_already_done(s, mb):  # its I ran the whole backward (and counted it)
             return
         last = self.count_backward(s)
-        if (s, mb) in self.backward_at_weight:
+        if self.split.take_deferred(s, mb):
+            self.schedule.weight_queue.run((s, mb))
+        elif (s, mb) in self.backward_at_weight:
             self.backward_at_weight.remove((s, mb))
             stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
         else:

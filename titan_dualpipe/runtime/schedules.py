@@ -10,10 +10,11 @@ action (``_create_pair_communicators``), so none is created lazily mid-schedule.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .._compat import (
     RECV_B,
@@ -46,6 +47,7 @@ from .p2p import local_tensor, swap, with_layout_of
 from .two_batch import two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
+from .deferred_weights import WeightGradQueue, install, uninstall, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
@@ -74,6 +76,14 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       two halves of its microbatch, relayed like a pair, so each half's exchanges hide behind the
       other half's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage
       (:mod:`titan_dualpipe.runtime.two_batch`, :mod:`titan_dualpipe.overlap.two_batch`).
+    - ``weight_gradients`` (default ``"deferred"``): how an ``I`` leaves the weight gradient to
+      its ``W``. ``"deferred"``: one autograd pass at ``I``, each ``nn.Linear``'s weight GEMM
+      queued for ``W`` (:mod:`titan_dualpipe.runtime.deferred_weights`; activation-checkpointed
+      regions recompute once); ``"split"``: torch's split of the graph (a checkpointed
+      microbatch then runs whole at ``I``); ``"whole"``: every backward whole at ``I``, ``W``
+      a no-op. Stages holding compiled blocks run whole at ``I`` under every mode.
+    - ``not_deferred``: module names (``fnmatch`` patterns or module paths inside a stage module)
+      whose weight GEMMs are not deferred; ``deferred_weights[stage_index]`` lists those that are.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -97,8 +107,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         *,
         overlap: bool = True,
         two_batch_overlap: bool | str = False,
+        weight_gradients: str = "deferred",
+        not_deferred: Sequence[str] = (),
         record_timeline: bool = False,
     ) -> None:
+        weight_gradients_problem(weight_gradients, not_deferred)
         split_stages = self._check_and_place(stages, n_microbatches, overlap, two_batch_overlap)
         super().__init__(
             stages=sorted(stages, key=lambda s: s.stage_index),
@@ -114,6 +127,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._init_step_state(defer_pp_recv)
         self._map_stages_to_ranks()
         self._choose_how_actions_run(overlap, split_stages, record_timeline)
+        self._choose_weight_gradients(weight_gradients, not_deferred)
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
@@ -157,6 +171,20 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.whole_backward_stages = {s.stage_index for s in self._stages if whole_backward_reason(s.submod)}
         self.whole_backwards: set[tuple[int, int]] = set()
 
+    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str]) -> None:
+        """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
+        self.weight_gradients = mode
+        self.weight_queue = WeightGradQueue()
+        self.deferred_weights: dict[int, list[str]] = {}
+        for stage in self._stages:
+            module = stage.submod
+            if mode == "deferred" and stage.stage_index not in self.whole_backward_stages:
+                if not isinstance(module, DistributedDataParallel):  # DDP reduces in autograd's hooks
+                    self.deferred_weights[stage.stage_index] = install(module, self.weight_queue, not_deferred)
+            else:
+                uninstall(module)
+        self.deferred_weight_stages = frozenset(self.deferred_weights)
+
     def _folds_twins(self) -> bool:
         """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""
         return False
@@ -195,6 +223,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             raise RuntimeError("step() needs gradients enabled (it runs the backward); use eval() under torch.no_grad()")
         arg_mbs, kwarg_mbs, target_mbs = self._agreed_microbatches(args, kwargs, target, arg_mbs, kwarg_mbs,
                                                                    target_mbs)
+        self.weight_queue.clear()  # nothing a failed step queued
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()

@@ -79,34 +79,58 @@ def whole_backward_reason(module: torch.nn.Module) -> str:
 
 
 class SplitDecisions:
-    """Per step: the (stage, microbatch) pairs whose I runs the full backward and whose W is a no-op."""
+    """Per step: how each (stage, microbatch)'s ``I`` runs.
 
-    def __init__(self, static_whole: set[int]) -> None:
+    - ``"deferred"``: the full backward with the weight GEMMs queued for ``W``
+      (:mod:`.deferred_weights`), on the stages the schedule installed them on;
+    - ``"whole"``: the full backward, ``W`` a no-op (a static rule, ``weight_gradients="whole"``,
+      or, under ``"split"``, a checkpointed forward or one run in halves);
+    - ``"split"``: torch's split of the graph (``I`` with ``retain_graph``, then ``W``).
+    """
+
+    def __init__(self, static_whole: set[int], mode: str = "split", deferred_stages: frozenset[int] = frozenset()) -> None:
         self.static_whole = static_whole  # stages kept whole by a static rule
+        self.mode = mode
+        self.deferred_stages = deferred_stages
         self.whole: set[tuple[int, int]] = set()
         self.done_at_input: set[tuple[int, int]] = set()
+        self.deferred: set[tuple[int, int]] = set()
 
     @contextlib.contextmanager
     def observe_forward(self, stage_index: int, mb: int) -> Iterator[None]:
         """Run a forward of ``stage_index`` for ``mb``; note whether it ran a region whose backward must not split."""
         with checkpoint_regions_seen() as kinds:
             yield
-        if stage_index in self.static_whole or kinds & WHOLE_BACKWARD_REGIONS:
+        if stage_index in self.static_whole or self.mode == "whole":
+            self.whole.add((stage_index, mb))
+        elif stage_index not in self.deferred_stages and kinds & WHOLE_BACKWARD_REGIONS:
             self.whole.add((stage_index, mb))
 
     def keep_whole(self, stage_index: int, mb: int) -> None:
-        """Run ``mb``'s backward on ``stage_index`` whole at I (a microbatch that ran in halves)."""
-        self.whole.add((stage_index, mb))
+        """A microbatch that ran in halves: torch's split cannot take its backward apart
+        (deferred GEMMs can: both halves queue theirs)."""
+        if stage_index not in self.deferred_stages:
+            self.whole.add((stage_index, mb))
 
-    def whole_at_input(self, stage_index: int, mb: int) -> bool:
-        return (stage_index, mb) in self.whole
+    def at_input(self, stage_index: int, mb: int) -> str:
+        """``"deferred"``, ``"whole"`` or ``"split"``: how ``mb``'s ``I`` on ``stage_index`` runs."""
+        if (stage_index, mb) in self.whole:
+            return "whole"
+        return "deferred" if stage_index in self.deferred_stages else "split"
 
-    def ran_at_input(self, stage_index: int, mb: int) -> None:
-        self.done_at_input.add((stage_index, mb))
+    def ran_at_input(self, stage_index: int, mb: int, how: str) -> None:
+        (self.deferred if how == "deferred" else self.done_at_input).add((stage_index, mb))
 
     def weight_already_done(self, stage_index: int, mb: int) -> bool:
         """True (once) when ``mb``'s W on ``stage_index`` has nothing left: its I ran the whole backward."""
         if (stage_index, mb) in self.done_at_input:
             self.done_at_input.remove((stage_index, mb))
+            return True
+        return False
+
+    def take_deferred(self, stage_index: int, mb: int) -> bool:
+        """True (once) when ``mb``'s W on ``stage_index`` runs GEMMs its I queued."""
+        if (stage_index, mb) in self.deferred:
+            self.deferred.remove((stage_index, mb))
             return True
         return False

@@ -57,6 +57,12 @@ class Generation:
             return getattr(getattr(config, "dualpipe", None), "two_batch_overlap", False)
         return False
 
+    def weight_gradients(self, config: Any) -> tuple[str, list[str]]:
+        """The config's ``dualpipe.weight_gradients`` and ``dualpipe.not_deferred`` (0.3.0; 0.2.2
+        has no keys: the defaults, which the environment may override, :func:`.pipeline.weight_gradient_options`)."""
+        options = getattr(config, "dualpipe", None) if self.registry else None
+        return getattr(options, "weight_gradients", "deferred"), list(getattr(options, "not_deferred", []))
+
     def n_layers(self, config: Any) -> int | None:
         """The model's transformer layer count, as torchtitan's pipeline split counts it."""
         if self.registry:

@@ -21,6 +21,9 @@ calls the builder with keywords; :mod:`.generation` holds the names):
   becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
   Two-batch overlap (0.3.0: our ``dualpipe.two_batch_overlap``; both releases:
   ``TITAN_DUALPIPE_TWO_BATCH=1``; either turns it on) becomes our ``two_batch_overlap=``.
+  Weight gradients (0.3.0: ``dualpipe.weight_gradients`` / ``not_deferred``; both releases:
+  ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` / ``TITAN_DUALPIPE_NOT_DEFERRED``) become our
+  ``weight_gradients=`` / ``not_deferred=`` (:func:`weight_gradient_options`).
 
 DualPipeV at ``pipeline_parallel_degree`` 1 is a V of two stages on each rank (one GPU, or
 pairs overlapping expert-parallel exchanges without pipeline ranks): ``ParallelDims`` is patched
@@ -40,7 +43,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..switches import TWO_BATCH_ENV
+from ..switches import NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV
 from . import fold
 from .config_check import Plan, our_schedule
 from .generation import GEN
@@ -55,6 +58,8 @@ class ActiveRun:
     plan: Plan | None = None
     overlap: bool = True
     two_batch: bool = False  # the config's two-batch overlap switch (0.3.0: dualpipe.two_batch_overlap)
+    weight_gradients: str = "deferred"  # 0.3.0: dualpipe.weight_gradients
+    not_deferred: list[str] = field(default_factory=list)  # 0.3.0: dualpipe.not_deferred
     stages: list[Any] = field(default_factory=list)
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
     expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
@@ -187,7 +192,8 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     fold.WINDOW.open = False
     # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
-                                    overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option())
+                                    overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option(),
+                                    **weight_gradient_options())
     ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
     if fold.WINDOW.used and not ACTIVE.folded:
         raise RuntimeError("DualPipe: the model parts were sharded over twin pipeline ranks but the schedule does "
@@ -200,9 +206,31 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
-        + _twins_note(name, par) + _two_batch_note(schedule, par)
+        + _twins_note(name, par) + _two_batch_note(schedule, par) + _weight_gradients_note(schedule)
     )
     return schedule
+
+
+def weight_gradient_options() -> dict[str, Any]:
+    """Our schedules' ``weight_gradients`` and ``not_deferred``: the config's (0.3.0:
+    ``--dualpipe.weight-gradients``, ``--dualpipe.not-deferred``; 0.2.2: the defaults), with
+    ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` taking precedence and ``TITAN_DUALPIPE_NOT_DEFERRED``
+    (comma-separated) adding names."""
+    from ..runtime.deferred_weights import WEIGHT_GRADIENT_MODES
+
+    mode = os.environ.get(WEIGHT_GRADIENTS_ENV, "") or ACTIVE.weight_gradients
+    if mode not in WEIGHT_GRADIENT_MODES:
+        where = f"{WEIGHT_GRADIENTS_ENV}={mode!r}" if os.environ.get(WEIGHT_GRADIENTS_ENV) else f"weight_gradients={mode!r}"
+        raise ValueError(f"{where}: use one of {', '.join(WEIGHT_GRADIENT_MODES)} (deferred is the default)")
+    extra = [name.strip() for name in os.environ.get(NOT_DEFERRED_ENV, "").split(",") if name.strip()]
+    return {"weight_gradients": mode, "not_deferred": [*ACTIVE.not_deferred, *extra]}
+
+
+def _weight_gradients_note(schedule: Any) -> str:
+    if schedule.weight_gradients != "deferred":
+        return f"; weight gradients: {schedule.weight_gradients}"
+    count = sum(len(names) for names in schedule.deferred_weights.values())
+    return f"; {count} weight GEMMs per microbatch wait for W (deferred weight gradients)"
 
 
 def two_batch_option() -> bool:

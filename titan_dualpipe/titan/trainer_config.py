@@ -1,11 +1,11 @@
-"""torchtitan 0.3.0: a trainer config with our ``dualpipe`` section (the overlap switches).
+"""torchtitan 0.3.0: a trainer config with our ``dualpipe`` section (overlap and weight-gradient switches).
 
 torchtitan 0.3.0 has no config key for our schedules' ``overlap`` (0.2.2 reused its
 ``pipeline_parallel_expert_parallel_overlap``) or ``two_batch_overlap``, and its configs are
 dataclasses whose fields are the command line. :class:`DualPipeTrainer` is torchtitan's
 ``Trainer`` unchanged; its ``Config`` adds one section, so ``--dualpipe.no-overlap`` runs
 overlapped pairs one after the other and ``--dualpipe.two-batch-overlap`` turns two-batch
-overlap on. A plain ``Trainer.Config`` works with our schedules too, with overlap on and
+overlap on, and ``--dualpipe.weight-gradients split`` picks torch's split backward. A plain ``Trainer.Config`` works with our schedules too, with overlap on and
 two-batch overlap off (``TITAN_DUALPIPE_TWO_BATCH=1`` turns it on in either config, and on 0.2.2).
 
 In a ``config_registry``::
@@ -40,6 +40,16 @@ class DualPipeOptions:
     ``TITAN_DUALPIPE_TWO_BATCH=1`` (either turns it on; the variable alone also works on
     torchtitan 0.2.2, which has no config key for it)."""
 
+    weight_gradients: str = "deferred"
+    """How an I leaves the weight gradient to its W: "deferred" (one backward at I, the weight
+    GEMMs queued for W; activation-checkpointed blocks recompute once), "split" (torch's split of
+    the graph; checkpointed microbatches run whole at I) or "whole" (every backward whole at I).
+    ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` overrides it (and sets it on torchtitan 0.2.2)."""
+
+    not_deferred: list[str] = field(default_factory=list)
+    """Module names or fnmatch patterns inside a stage (e.g. "output", "layers.*.moe.*") whose
+    weight GEMMs are not deferred. ``TITAN_DUALPIPE_NOT_DEFERRED`` (comma-separated) adds to it."""
+
 
 class DualPipeTrainer(Trainer):
     """torchtitan's ``Trainer``; its ``Config`` carries :class:`DualPipeOptions`."""
@@ -49,8 +59,8 @@ class DualPipeTrainer(Trainer):
         dualpipe: DualPipeOptions = field(default_factory=DualPipeOptions)
 
 
-def with_dualpipe(config: Trainer.Config, overlap: bool = True,
-                  two_batch_overlap: bool = False) -> DualPipeTrainer.Config:
+def with_dualpipe(config: Trainer.Config, overlap: bool = True, two_batch_overlap: bool = False,
+                  weight_gradients: str = "deferred") -> DualPipeTrainer.Config:
     """``config`` (a ``Trainer.Config``) with the ``dualpipe`` section added, every other field kept."""
     if type(config) is not Trainer.Config and not isinstance(config, DualPipeTrainer.Config):
         raise ValueError(
@@ -58,5 +68,6 @@ def with_dualpipe(config: Trainer.Config, overlap: bool = True,
             "add a `dualpipe: DualPipeOptions` field to that config class instead."
         )
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values["dualpipe"] = DualPipeOptions(overlap=overlap, two_batch_overlap=two_batch_overlap)
+    values["dualpipe"] = DualPipeOptions(overlap=overlap, two_batch_overlap=two_batch_overlap,
+                                         weight_gradients=weight_gradients)
     return DualPipeTrainer.Config(**values)

@@ -48,6 +48,7 @@ def prepare(job_config: Any) -> None:
     ACTIVE.plan = check_job_config(job_config, n_layers)
     ACTIVE.overlap = GEN.overlap(job_config)
     ACTIVE.two_batch = GEN.two_batch_overlap(job_config)
+    ACTIVE.weight_gradients, ACTIVE.not_deferred = GEN.weight_gradients(job_config)
     if ACTIVE.plan is None:
         return
     if not cpu.accelerator_present():

@@ -1,0 +1,137 @@
+"""Deferred weight GEMMs (``runtime/deferred_weights.py``) in one process: the same gradients as
+autograd's, bit for bit, under every AC mode; what is installed and what is left out; option checks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from titan_dualpipe import ScheduleDualPipeV
+from titan_dualpipe.runtime.deferred_weights import (WeightGradQueue, deferrable_modules, install, uninstall,
+                                                     weight_gradients_problem)
+from titan_dualpipe.runtime.errors import PipelineConfigError
+
+
+class _Block(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(16, 32, bias=bias)
+        self.w2 = nn.Linear(32, 16, bias=bias)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h + self.w2(torch.nn.functional.gelu(self.w1(h))))
+
+
+def _model(bias: bool, ac: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(bias), _Block(bias))
+    if ac != "none":
+        save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)} if ac == "selective" else {}
+        for block in model:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **context)
+    return model
+
+
+def _grads(model: nn.Module, x: torch.Tensor, queue: WeightGradQueue | None) -> dict[str, torch.Tensor]:
+    x = x.detach().requires_grad_()
+    loss = model(x).square().sum()
+    if queue is None:
+        loss.backward()
+    else:
+        with queue.collecting((1, 0)):
+            loss.backward()
+        weights = {name for name, _ in model.named_parameters() if name.endswith((".w1.weight", ".w2.weight"))}
+        assert len(weights) == 4
+        assert all(p.grad is None for name, p in model.named_parameters() if name in weights)  # waiting for W
+        assert queue.pending() == {(1, 0): 4}
+        assert queue.run((1, 0)) == 4 and queue.ran == {1: 4} and not queue.pending()
+    return {"input": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(6, 16), (3, 5, 16)], ids=["2d", "3d"])
+def test_deferred_gradients_equal_autograds_bitwise(ac, bias, shape):
+    """Input, weight, bias and norm gradients, a weight GEMM run at W vs autograd's F.linear backward:
+    equal bit for bit (the same GEMMs on the same operands), with or without AC; outside an I the
+    installed module computes its weight gradient at once, also bit for bit."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    want = _grads(_model(bias, ac), x, None)
+    deferred = _model(bias, ac)
+    queue = WeightGradQueue()
+    assert install(deferred, queue) == ["0.w1", "0.w2", "1.w1", "1.w2"]
+    got = _grads(deferred, x, queue)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    deferred.zero_grad(set_to_none=True)
+    at_once = _grads(deferred, x, None)
+    for name in want:
+        assert torch.equal(at_once[name], want[name]), name
+
+
+def test_gradients_accumulate_over_microbatches_like_autograds():
+    """Two microbatches: the second W adds to the first's gradient (a first one is taken as is)."""
+    reference, deferred, queue = _model(True, "none"), _model(True, "none"), WeightGradQueue()
+    install(deferred, queue)
+    xs = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2))
+    for mb, x in enumerate(xs):
+        reference(x).square().sum().backward()
+        with queue.collecting((0, mb)):
+            deferred(x).square().sum().backward()
+    queue.run((0, 1))
+    queue.run((0, 0))  # W in another order than I
+    for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_what_is_installed_and_what_is_left_out():
+    """Left out: excluded names (pattern or module path), subclasses with a forward of their own,
+    compiled regions; a parametrized (computed) weight still gets its gradient through autograd."""
+
+    class OwnForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                           "own": OwnForward(4, 4), "compiled": nn.Linear(4, 4), "param": nn.Linear(4, 4)})
+    model["compiled"].compile(backend="eager")
+    nn.utils.parametrize.register_parametrization(model["param"], "weight", _Doubled())
+    assert sorted(deferrable_modules(model)) == ["a", "b.0", "b.1", "param"]
+    assert sorted(deferrable_modules(model, ["b"])) == ["a", "param"]
+    assert sorted(deferrable_modules(model, ["b.*", "a"])) == ["param"]
+    queue = WeightGradQueue()
+    install(model, queue)
+    x = torch.randn(3, 4)
+    with queue.collecting((0, 0)):
+        model["param"](x).sum().backward()
+    assert not queue.pending()  # computed weight: autograd took it at once
+    assert model["param"].parametrizations.weight.original.grad is not None
+    uninstall(model)
+    assert type(model["a"]) is nn.Linear and not deferrable_modules(model["own"])
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_options_are_checked_before_anything_runs():
+    """A bad ``weight_gradients`` or ``not_deferred`` raises a PipelineConfigError (a ValueError) naming
+    the value and the choices, before the schedule looks at its stages."""
+    with pytest.raises(PipelineConfigError, match=r"weight_gradients='later': use one of 'deferred', 'split', 'whole'"):
+        ScheduleDualPipeV([], 4, weight_gradients="later")
+    with pytest.raises(ValueError, match=r"not_deferred='output': pass a list of module names"):
+        weight_gradients_problem("deferred", "output")
+    with pytest.raises(ValueError, match=r"not_deferred=\[3\]"):
+        weight_gradients_problem("split", [3])

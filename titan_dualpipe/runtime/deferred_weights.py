@@ -1,0 +1,218 @@
+"""Deferred weight GEMMs: an ``I`` computes input gradients now and queues the weight GEMMs for ``W``.
+
+torch's split backward runs autograd twice through a microbatch's graph (``I`` with
+``retain_graph``, then ``W``), so every activation-checkpointed region is recomputed twice and a
+selective-AC region cannot be split at all (:mod:`.split_backward`). Deferring the GEMM instead
+needs one autograd pass:
+
+- At ``I`` the stage runs its full backward while its :class:`WeightGradQueue` is collecting for
+  that (stage, microbatch). A deferring ``nn.Linear`` computes ``dX = dY W`` (and its bias
+  gradient) at once and queues ``dW = dY^T X`` with its two operands; every other parameter takes
+  its gradient as usual.
+- At ``W`` the queue runs those GEMMs, accumulating into ``weight.grad``.
+- A ``B`` (and every backward outside an ``I``) computes ``dW`` at once, through autograd.
+
+So a checkpointed region is recomputed once, at ``I``, and its GEMM operands live from ``I``
+to ``W``. The schedule installs this on its stage modules (:func:`install`): each ``nn.Linear``
+whose class keeps ``nn.Linear.forward`` gets a subclass whose forward routes through
+:class:`_DeferrableLinear`; parameters, state dicts and hooks are untouched.
+
+Not deferred: modules inside a ``torch.compile``'d region (a compiled backward bakes in
+whether it defers, so those stages keep their whole backward at ``I``), subclasses with a
+forward of their own, and modules left out by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import threading
+from collections import Counter
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_GRADIENT_MODES = ("deferred", "split", "whole")
+Key = tuple[int, int]  # (stage index, microbatch)
+
+
+def weight_gradients_problem(mode: object, not_deferred: object) -> None:
+    """ValueError (before any collective) for a ``weight_gradients`` / ``not_deferred`` option that cannot work."""
+    from .errors import PipelineConfigError
+
+    if mode not in WEIGHT_GRADIENT_MODES:
+        raise PipelineConfigError(f"weight_gradients={mode!r}: use one of {', '.join(map(repr, WEIGHT_GRADIENT_MODES))}")
+    if isinstance(not_deferred, str) or not all(isinstance(name, str) for name in not_deferred):  # type: ignore[union-attr]
+        raise PipelineConfigError(f"not_deferred={not_deferred!r}: pass a list of module names or fnmatch patterns, "
+                                  f"e.g. ['output', 'layers.*.attention.wq']")
+
+
+class WeightGradQueue:
+    """One schedule's queued weight GEMMs, by (stage, microbatch).
+
+    :meth:`collecting` marks the backward running now as an ``I`` whose weight GEMMs wait for
+    :meth:`run`. It is an attribute, not thread-local state: autograd runs a CUDA backward on its
+    own device thread, and a relay runs two halves' backwards on two threads, all for one key.
+    """
+
+    def __init__(self) -> None:
+        self.target: Key | None = None
+        self._pending: dict[Key, list[Callable[[], None]]] = {}
+        self.ran: Counter[int] = Counter()  # weight GEMMs run at W this step, by stage
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def collecting(self, key: Key) -> Iterator[None]:
+        self.target = key
+        try:
+            yield
+        finally:
+            self.target = None
+
+    def defer(self, gemm: Callable[[], None]) -> bool:
+        """Queue ``gemm`` for the backward running now; False when it is not an ``I`` (run it now)."""
+        key = self.target
+        if key is None:
+            return False
+        with self._lock:
+            self._pending.setdefault(key, []).append(gemm)
+        return True
+
+    def run(self, key: Key) -> int:
+        """Run ``key``'s queued GEMMs (its ``W``); how many ran."""
+        with self._lock:
+            gemms = self._pending.pop(key, [])
+        for gemm in gemms:
+            gemm()
+        self.ran[key[0]] += len(gemms)
+        return len(gemms)
+
+    def pending(self) -> dict[Key, int]:
+        return {key: len(gemms) for key, gemms in self._pending.items()}
+
+    def clear(self) -> None:
+        """Forget what an earlier step queued or ran."""
+        with self._lock:
+            self._pending.clear()
+        self.ran.clear()
+        self.target = None
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` as autograd would (a first gradient is taken as is), in the parameter's layout."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+def _weight_gemm(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> Callable[[], None]:
+    return lambda: _accumulate(weight, grad_2d.t().mm(input_2d))
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``F.linear`` whose weight GEMM waits for ``W`` when its backward runs inside an ``I``.
+
+    The GEMMs are those autograd runs for ``F.linear`` (``dX = dY W``, ``dW = dY^T X`` on the
+    inputs flattened to 2-D), so a gradient computed at once equals autograd's.
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                queue: WeightGradQueue) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        # The gradient goes to the parameter itself: a checkpointed region's saved tensors come
+        # back from its recomputation as detached aliases.
+        ctx.parameter = weight
+        ctx.queue = queue
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_2d.mm(weight).view(input.shape)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(0)
+        if ctx.needs_input_grad[1]:
+            input_2d = input.reshape(-1, input.shape[-1])
+            if not ctx.queue.defer(_weight_gemm(ctx.parameter, grad_2d, input_2d)):
+                grad_weight = grad_2d.t().mm(input_2d)
+        return grad_input, grad_weight, grad_bias, None
+
+
+class _DeferrableLinearForward:
+    """The forward of an installed ``nn.Linear`` (mixed in ahead of its class)."""
+
+    _weight_grad_queue: WeightGradQueue
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        # A weight computed from others (a parametrization) gets its gradient through autograd.
+        if (not torch.is_grad_enabled() or not weight.requires_grad or not weight.is_leaf
+                or torch.compiler.is_compiling()):
+            return F.linear(input, self.weight, self.bias)
+        return _DeferrableLinear.apply(input, self.weight, self.bias, self._weight_grad_queue)
+
+
+_installed_classes: dict[type, type] = {}
+
+
+def _deferrable_class(cls: type) -> type:
+    if cls not in _installed_classes:
+        _installed_classes[cls] = type(cls.__name__, (_DeferrableLinearForward, cls), {"_original_class": cls})
+    return _installed_classes[cls]
+
+
+def _excluded(name: str, exclude: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".") for pattern in exclude)
+
+
+def deferrable_modules(module: nn.Module, exclude: Iterable[str] = ()) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` modules of ``module`` whose weight GEMM can wait for ``W``, by qualified name.
+
+    Left out: names matching an ``exclude`` pattern (``fnmatch``, or a module path prefix),
+    modules inside a compiled region, and ``nn.Linear`` subclasses with a forward of their own."""
+    exclude = list(exclude)
+    from .split_backward import compiled_modules  # split_backward imports this module
+
+    compiled = ["" if name == "<stage module>" else name for name in compiled_modules(module)]
+    found: dict[str, nn.Linear] = {}
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear):
+            continue
+        original = getattr(type(child), "_original_class", type(child))
+        if original.forward is not nn.Linear.forward or _excluded(name, exclude):
+            continue
+        if any(prefix == "" or name == prefix or name.startswith(prefix + ".") for prefix in compiled):
+            continue
+        found[name] = child
+    return found
+
+
+def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = ()) -> list[str]:
+    """Route ``module``'s deferrable ``nn.Linear`` modules through ``queue``; their names.
+
+    Installing again (a new schedule over the same modules) points them at the new queue."""
+    modules = deferrable_modules(module, exclude)
+    for child in modules.values():
+        if not isinstance(child, _DeferrableLinearForward):
+            child.__class__ = _deferrable_class(type(child))
+        child._weight_grad_queue = queue
+    return list(modules)
+
+
+def uninstall(module: nn.Module) -> None:
+    """Give every installed ``nn.Linear`` in ``module`` its own class back."""
+    for child in module.modules():
+        if isinstance(child, _DeferrableLinearForward):
+            child.__class__ = type(child)._original_class
+            del child._weight_grad_queue
