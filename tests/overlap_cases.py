@@ -156,7 +156,8 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
     opts = {o: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
             for o, r in runs.items()}
     result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0, "fused_pairs": 0,
-              "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0}
+              "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0,
+              "deferred_expert_gemms": 0}
     for step in range(steps):
         want = []
         for d in range(EP):
@@ -172,6 +173,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
                 losses = _step(sched, modules, place, x, y)
             result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
             result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
+            result["deferred_expert_gemms"] += sched.weight_queue.ran_kinds["experts"]
             raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
             _average_over_data_shards(modules, fsdp)
             result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))
@@ -242,6 +244,8 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
                     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
                     result["losses_checked"] += len(losses)
                 grads[split] = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+                if split:
+                    result["deferred"] = sorted(sched.weight_queue.ran_microbatches)  # (stage, mb) whose W ran GEMMs
             for a, b in zip(grads[True], grads[False], strict=True):
                 result["split_vs_whole"] = max(result["split_vs_whole"], (a - b).abs().max().item())
             for opt in (*opts.values(), ref_opt):

@@ -3,7 +3,11 @@ autograd's, bit for bit, under every AC mode; what is installed and what is left
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+import types
+from typing import Callable
 
 import pytest
 import torch
@@ -135,3 +139,62 @@ def test_options_are_checked_before_anything_runs():
         weight_gradients_problem("deferred", "output")
     with pytest.raises(ValueError, match=r"not_deferred=\[3\]"):
         weight_gradients_problem("split", [3])
+
+
+# -- expert GEMMs ---------------------------------------------------------------------------
+
+def _titan_experts() -> tuple[nn.Module, Callable]:
+    """The installed torchtitan's GroupedExperts (CPU: 0.2.2's per-expert loop; 0.3.0's grouped GEMM
+    through CPU mode's float32 seam), 4 experts, and how to call it on tokens."""
+    from titan_dualpipe.titan import cpu_moe
+    from titan_dualpipe.titan.generation import GEN
+
+    module = importlib.import_module(GEN.experts_module)
+    torch.manual_seed(0)
+    if GEN.registry:
+        experts = module.GroupedExperts(module.GroupedExperts.Config(dim=16, hidden_dim=32, num_experts=4))
+        experts._grouped_mm = types.MethodType(cpu_moe.float32_grouped_mm, experts)
+    else:
+        experts = module.GroupedExperts(dim=16, hidden_dim=32, num_experts=4, use_grouped_mm=False)
+    for w in experts.parameters():
+        nn.init.normal_(w, std=0.1)
+    counts = torch.tensor([3, 0, 5, 4])
+    return experts, lambda m, x: m(x, counts)
+
+
+def _moe_experts() -> tuple[nn.Module, Callable]:
+    """This package's MoE experts (bmm over [experts, tokens, dim])."""
+    from titan_dualpipe.overlap.moe import GroupedExperts, MoEArgs
+
+    torch.manual_seed(0)
+    return GroupedExperts(MoEArgs(dim=16, moe_inter_dim=32, num_experts=4)), lambda m, x: m(x.view(4, 3, 16))
+
+
+@pytest.mark.parametrize("make", [_titan_experts, _moe_experts], ids=["torchtitan", "ours"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_expert_weight_gemms_wait_for_w(make, ac):
+    """Expert weights (3-D, reshaped per expert, cast or sliced before their GEMMs): at I the input
+    gradient only and one queued GEMM per expert GEMM; at W the weight gradients, equal to autograd's."""
+    reference, call = make()
+    deferred, _ = make()
+    queue = WeightGradQueue()
+    from titan_dualpipe.runtime.deferred_weights import register_expert_class
+
+    register_expert_class(type(reference))
+    assert install(deferred, queue) == [""]
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
+
+    def run(module, queue=None):
+        h = x.clone().requires_grad_()
+        out = checkpoint(call, module, h, use_reentrant=False) if ac == "full" else call(module, h)
+        with queue.collecting((0, 0)) if queue is not None else contextlib.nullcontext():
+            out.square().sum().backward()
+        return h.grad
+
+    want = run(reference)
+    got = run(deferred, queue)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert all(p.grad is None for p in deferred.parameters()) and sum(queue.pending().values()) >= 3
+    queue.run((0, 0))
+    for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)

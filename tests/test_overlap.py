@@ -19,7 +19,8 @@ import torch
 
 import overlap_cases as cases
 from dist_pool import WorkerPool
-from titan_dualpipe.orders import compute_order
+from titan_dualpipe import _compat
+from titan_dualpipe.orders import compute_order, placement
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.comm import CommStats, EmulatedNetwork, PendingAllToAll
 from titan_dualpipe.overlap.moe import _RECORD_KEY, MoEArgs, MoETransformer, split_parts
@@ -217,13 +218,17 @@ def pool():
     p.close(kill=True)  # the last test leaves the process groups broken
 
 
-def _check_numerics(results: list[dict], schedule: str, n: int, relay: bool = False) -> None:
+def _check_numerics(results: list[dict], schedule: str, n: int, relay: bool = False, compiled: bool = False) -> None:
     assert all(r["grad_err"] <= cases.ATOL for r in results)
     twin_factor = 2 if schedule == "DualPipe" else 1  # both pipeline ends compute every loss
     # per pipeline: 2 steps x 2 runs (overlap on, off) x n losses on each rank holding a loss
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     assert all(r["bitwise_tensors"] > 0 for r in results)
     assert all(r["fused_pairs_without_overlap"] == 0 and r["hand_overs_without_overlap"] == 0 for r in results)
+    # expert weight GEMMs waited for W (DualPipe at pp 2 runs I only on its chains' first stages; compiled
+    # stages keep their backward whole)
+    deferred = sum(r["deferred_expert_gemms"] for r in results)
+    assert (deferred > 0) == (schedule == "DualPipeV" and not compiled), results
     if relay:  # every rank has pairs, and every pair's halves switch at the MoE exchanges
         assert all(r["fused_pairs"] == 0 and r["hand_overs"] > 0 for r in results), results
     else:
@@ -262,7 +267,7 @@ def test_compiled_moe_blocks_overlap_at_every_exchange(pool, schedule, relay):
     the same way and are bitwise equal with and without overlap."""
     n = 4
     compiled = pool.run(cases.moe_numerics, schedule=schedule, n=n, relay=relay, compile_backend="aot_eager")
-    _check_numerics(compiled, schedule, n, relay=relay)
+    _check_numerics(compiled, schedule, n, relay=relay, compiled=True)
     assert all(r["compiled_frames"] > 0 for r in compiled)
     if relay:
         eager = pool.run(cases.moe_numerics, schedule=schedule, n=n, relay=True)
@@ -353,14 +358,20 @@ def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoin
     twin_factor = 2 if schedule == "DualPipe" else 1
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     order = compute_order(schedule, cases.PP, n)
+    halves_with_input_action = False
     for rank, r in enumerate(results):  # 2 steps; FSDP2 stages run a split microbatch's backward whole
         split = lone_forwards(order[rank // cases.EP])
         halved = 2 * (len(split) + (0 if fsdp else len(split - paired_backwards(order[rank // cases.EP]))))
         assert r["split"] == 2 * len(split), results
+        inputs = {(a.stage_index, a.microbatch_index) for a in order[rank // cases.EP]
+                  if a is not None and a.computation_type == _compat.I and not placement(schedule, cases.PP, n).is_first(a.stage_index)}
+        assert set(r["deferred"]) == inputs, results  # every I's GEMMs waited for its W, split microbatches' too
+        halves_with_input_action |= bool(split & inputs)
         if relay:  # the halves switch at the MoE exchanges
             assert r["fused_halves"] == 0 and r["relayed_halves"] == halved and r["halves_hand_overs"] > 0, results
         else:  # the module interleaves them itself
             assert r["relayed_halves"] == 0 and r["fused_halves"] == halved, results
+    assert halves_with_input_action == (schedule == "DualPipeV")  # DualPipe at pp 2: I on first stages only
 
 
 @pytest.mark.parametrize("relay,checkpoint,whole_blocks,reshard_after_forward", [

@@ -50,6 +50,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import checkpoint
 
+from ..runtime.deferred_weights import register_expert_class
 from ..runtime.two_batch import register_exchange_rule
 from .comm import ExpertParallelComm, all_to_all
 from ..split import split_layers
@@ -132,6 +133,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[local experts, tokens, dim]``."""
         return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+
+
+register_expert_class(GroupedExperts)  # its bmm weight GEMMs wait for W in a split backward
 
 
 @dataclass

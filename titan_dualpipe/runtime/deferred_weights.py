@@ -28,7 +28,7 @@ import contextlib
 import fnmatch
 import threading
 from collections import Counter
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,10 @@ class WeightGradQueue:
 
     def __init__(self) -> None:
         self.target: Key | None = None
-        self._pending: dict[Key, list[Callable[[], None]]] = {}
+        self._pending: dict[Key, list[tuple[torch.Tensor, Callable[[], torch.Tensor], str]]] = {}
         self.ran: Counter[int] = Counter()  # weight GEMMs run at W this step, by stage
+        self.ran_kinds: Counter[str] = Counter()  # ... by kind ("linear", "experts")
+        self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -71,22 +73,33 @@ class WeightGradQueue:
         finally:
             self.target = None
 
-    def defer(self, gemm: Callable[[], None]) -> bool:
-        """Queue ``gemm`` for the backward running now; False when it is not an ``I`` (run it now)."""
+    def defer_to_operand(self, operand: torch.Tensor, gemm: Callable[[], torch.Tensor], kind: str = "linear") -> bool:
+        """Queue ``gemm`` (the gradient of ``operand``, a parameter or a tensor computed from one) for the
+        backward running now; False when it is not an ``I`` (compute it now)."""
         key = self.target
         if key is None:
             return False
         with self._lock:
-            self._pending.setdefault(key, []).append(gemm)
+            self._pending.setdefault(key, []).append((operand, gemm, kind))
         return True
 
     def run(self, key: Key) -> int:
-        """Run ``key``'s queued GEMMs (its ``W``); how many ran."""
+        """Run ``key``'s queued GEMMs (its ``W``); how many ran. A parameter's gradient is added to
+        its ``.grad``; a computed operand's flows back through its graph, one autograd call for all."""
         with self._lock:
             gemms = self._pending.pop(key, [])
-        for gemm in gemms:
-            gemm()
+        through_graph: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for operand, gemm, kind in gemms:
+            self.ran_kinds[kind] += 1
+            grad = gemm()
+            if operand.is_leaf:
+                _accumulate(operand, grad)
+            else:
+                through_graph.append((operand, grad))
+        if through_graph:
+            torch.autograd.backward([o for o, _ in through_graph], [g for _, g in through_graph])
         self.ran[key[0]] += len(gemms)
+        self.ran_microbatches[key] += len(gemms)
         return len(gemms)
 
     def pending(self) -> dict[Key, int]:
@@ -97,6 +110,8 @@ class WeightGradQueue:
         with self._lock:
             self._pending.clear()
         self.ran.clear()
+        self.ran_kinds.clear()
+        self.ran_microbatches.clear()
         self.target = None
 
 
@@ -110,10 +125,6 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad += grad
-
-
-def _weight_gemm(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> Callable[[], None]:
-    return lambda: _accumulate(weight, grad_2d.t().mm(input_2d))
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -144,7 +155,7 @@ class _DeferrableLinear(torch.autograd.Function):
             grad_bias = grad_2d.sum(0)
         if ctx.needs_input_grad[1]:
             input_2d = input.reshape(-1, input.shape[-1])
-            if not ctx.queue.defer(_weight_gemm(ctx.parameter, grad_2d, input_2d)):
+            if not ctx.queue.defer_to_operand(ctx.parameter, lambda: grad_2d.t().mm(input_2d)):
                 grad_weight = grad_2d.t().mm(input_2d)
         return grad_input, grad_weight, grad_bias, None
 
@@ -163,34 +174,68 @@ class _DeferrableLinearForward:
         return _DeferrableLinear.apply(input, self.weight, self.bias, self._weight_grad_queue)
 
 
-_installed_classes: dict[type, type] = {}
+class _DeferrableExpertsForward:
+    """The forward of an installed expert module (mixed in ahead of its class): its GEMMs with
+    weight operands run through :class:`~.deferred_gemms.DeferringExpertGemms`."""
+
+    _weight_grad_queue: WeightGradQueue
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        from .deferred_gemms import DeferringExpertGemms
+
+        with DeferringExpertGemms(self._weight_grad_queue):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
 
 
-def _deferrable_class(cls: type) -> type:
-    if cls not in _installed_classes:
-        _installed_classes[cls] = type(cls.__name__, (_DeferrableLinearForward, cls), {"_original_class": cls})
-    return _installed_classes[cls]
+_expert_classes: list[type] = []
+
+
+def register_expert_class(cls: type) -> None:
+    """Defer the weight GEMMs of ``cls`` modules (mixture-of-experts layers: every GEMM in their
+    forward whose second operand needs a gradient is an expert weight GEMM)."""
+    if cls not in _expert_classes:
+        _expert_classes.append(cls)
+
+
+_installed_classes: dict[tuple[type, type], type] = {}
+
+
+def _deferrable_class(cls: type, mixin: type) -> type:
+    if (cls, mixin) not in _installed_classes:
+        _installed_classes[(cls, mixin)] = type(cls.__name__, (mixin, cls), {"_original_class": cls})
+    return _installed_classes[(cls, mixin)]
+
+
+def _mixin_for(module: nn.Module) -> type | None:
+    """How ``module`` defers its weight GEMMs, or None: a plain ``nn.Linear`` (its class keeps
+    ``nn.Linear.forward``) or a registered expert class."""
+    original = getattr(type(module), "_original_class", type(module))
+    if issubclass(original, nn.Linear) and original.forward is nn.Linear.forward:
+        return _DeferrableLinearForward
+    if any(issubclass(original, cls) for cls in _expert_classes):
+        return _DeferrableExpertsForward
+    return None
 
 
 def _excluded(name: str, exclude: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".") for pattern in exclude)
 
 
-def deferrable_modules(module: nn.Module, exclude: Iterable[str] = ()) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` modules of ``module`` whose weight GEMM can wait for ``W``, by qualified name.
+def deferrable_modules(module: nn.Module, exclude: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """The modules of ``module`` whose weight GEMMs can wait for ``W``, by qualified name: plain
+    ``nn.Linear`` modules and registered expert modules (:func:`register_expert_class`).
 
     Left out: names matching an ``exclude`` pattern (``fnmatch``, or a module path prefix),
     modules inside a compiled region, and ``nn.Linear`` subclasses with a forward of their own."""
-    exclude = list(exclude)
     from .split_backward import compiled_modules  # split_backward imports this module
 
+    exclude = list(exclude)
     compiled = ["" if name == "<stage module>" else name for name in compiled_modules(module)]
-    found: dict[str, nn.Linear] = {}
+    found: dict[str, nn.Module] = {}
     for name, child in module.named_modules():
-        if not isinstance(child, nn.Linear):
-            continue
-        original = getattr(type(child), "_original_class", type(child))
-        if original.forward is not nn.Linear.forward or _excluded(name, exclude):
+        if _mixin_for(child) is None or _excluded(name, exclude):
             continue
         if any(prefix == "" or name == prefix or name.startswith(prefix + ".") for prefix in compiled):
             continue
@@ -199,13 +244,14 @@ def deferrable_modules(module: nn.Module, exclude: Iterable[str] = ()) -> dict[s
 
 
 def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = ()) -> list[str]:
-    """Route ``module``'s deferrable ``nn.Linear`` modules through ``queue``; their names.
+    """Route ``module``'s deferrable modules through ``queue``; their names.
 
     Installing again (a new schedule over the same modules) points them at the new queue."""
     modules = deferrable_modules(module, exclude)
     for child in modules.values():
-        if not isinstance(child, _DeferrableLinearForward):
-            child.__class__ = _deferrable_class(type(child))
+        mixin = _mixin_for(child)
+        if not isinstance(child, mixin):
+            child.__class__ = _deferrable_class(type(child), mixin)
         child._weight_grad_queue = queue
     return list(modules)
 
@@ -213,6 +259,6 @@ def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = 
 def uninstall(module: nn.Module) -> None:
     """Give every installed ``nn.Linear`` in ``module`` its own class back."""
     for child in module.modules():
-        if isinstance(child, _DeferrableLinearForward):
+        if isinstance(child, (_DeferrableLinearForward, _DeferrableExpertsForward)):
             child.__class__ = type(child)._original_class
             del child._weight_grad_queue

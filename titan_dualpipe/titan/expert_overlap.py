@@ -39,6 +39,7 @@ DeepEP / HybridEP dispatch has its own communication and is left as it is.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any, Callable
 
@@ -147,9 +148,11 @@ def install(*, count_exchange: bool = False) -> None:
     """Route torchtitan's expert-parallel all-to-all through the relay (idempotent); with
     ``count_exchange`` (bench runs) its token-count exchange through ``comm.count_exchange`` too.
     Our schedules' two-batch overlap then counts torchtitan's MoE stages as stages with exchanges."""
+    from ..runtime.deferred_weights import register_expert_class
     from ..runtime.two_batch import register_exchange_rule
 
     register_exchange_rule(has_expert_parallel_moe)
+    register_expert_class(importlib.import_module(GEN.experts_module).GroupedExperts)  # weight GEMMs wait for W
     if GEN.registry:
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 

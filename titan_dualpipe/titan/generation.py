@@ -30,6 +30,7 @@ class Generation:
     # modules whose FSDP setup calls their global disable_fsdp_gradient_division
     fsdp_division_modules: tuple[str, ...]
     expert_count_buffer: str  # MoE per-expert token count buffer
+    experts_module: str  # where GroupedExperts (the routed experts' weights and GEMMs) is defined
     asset_paths: tuple[str, ...]  # dotted config fields that may point at shipped assets
 
     def key(self, dotted: str) -> str:
@@ -93,6 +94,7 @@ GENERATIONS = {
         fsdp_division_modules=("torchtitan.models.llama3.infra.parallelize",
                                "torchtitan.models.llama4.infra.parallelize"),
         expert_count_buffer="tokens_per_expert",
+        experts_module="torchtitan.models.moe.moe",
         asset_paths=("model.hf_assets_path", "model.tokenizer_path", "training.dataset_path",
                      "validation.dataset_path", _CSV_PATH),
     ),
@@ -108,6 +110,7 @@ GENERATIONS = {
                                "torchtitan.models.common.token_dispatcher"),
         fsdp_division_modules=("torchtitan.distributed.fsdp",),
         expert_count_buffer="tokens_per_expert_E",
+        experts_module="torchtitan.models.common.moe",
         asset_paths=("hf_assets_path", "dataloader.dataset_path", "validator.dataloader.dataset_path", _CSV_PATH),
     ),
 }
