@@ -33,7 +33,8 @@ import pytest
 from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
 from titan_dualpipe.orders import compute_order
 from titan_dualpipe.orders.two_batch import lone_forwards
-from titan_dualpipe.switches import FOLD_ENV, TEST_KILL_ENV, TEST_PROBE_ENV, TWO_BATCH_ENV
+from titan_dualpipe.switches import (FOLD_ENV, NOT_DEFERRED_ENV, TEST_KILL_ENV, TEST_PROBE_ENV, TWO_BATCH_ENV,
+                                     WEIGHT_GRADIENTS_ENV)
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -889,9 +890,11 @@ class _RecordedSchedule:
 
     fsdp_at_step_edges = False
     two_batch_stages: frozenset = frozenset()
+    deferred_weights: dict = {}
 
     def __init__(self, stages: list, **kwargs) -> None:
         self.kwargs = kwargs
+        self.weight_gradients = kwargs.get("weight_gradients")
 
 
 # (config switch given, TITAN_DUALPIPE_TWO_BATCH, two_batch_overlap the schedule gets): either turns it on
@@ -940,6 +943,53 @@ def test_two_batch_overlap_reaches_the_schedule_built(field: bool, env: str | No
         built = pipeline.make_build_schedule(torchtitans)(job, [], lambda *a: a)
     assert isinstance(built, _RecordedSchedule)
     assert built.kwargs["two_batch_overlap"] is expected and built.kwargs["overlap"] is True
+
+
+def _built_with(monkeypatch: pytest.MonkeyPatch, *args: str) -> _RecordedSchedule:
+    """Our schedule as torchtitan's builder (as we replace it) builds it for ``debug_dualpipev`` and ``args``."""
+    from titan_dualpipe.titan import pipeline, trainer_hooks
+
+    monkeypatch.setattr(trainer_hooks.expert_overlap, "install", lambda: None)
+    monkeypatch.setattr(pipeline, "schedule_class", lambda name: _RecordedSchedule)
+    job = _job_config("debug_dualpipev", *args)
+    trainer_hooks.prepare(job)
+
+    def torchtitans(*args, **kwargs):
+        raise AssertionError("torchtitan's own builder ran for our schedule")
+
+    par, batch = job.parallelism, job.training.local_batch_size
+    if REGISTRY:
+        return pipeline.make_build_schedule_030(torchtitans)(
+            parallelism=par, local_batch_size=batch, stages=[], loss_fn=lambda *a: (a, None))
+    return pipeline.make_build_schedule(torchtitans)(job, [], lambda *a: a)
+
+
+# (config field (0.3.0), TITAN_DUALPIPE_WEIGHT_GRADIENTS, TITAN_DUALPIPE_NOT_DEFERRED, what the schedule gets)
+WEIGHT_GRADIENT_CASES = [
+    (None, None, None, ("deferred", [])),
+    (None, "split", "output, layers.*.moe.*", ("split", ["output", "layers.*.moe.*"])),
+    ("whole", None, None, ("whole", [])),
+    ("whole", "deferred", "output", ("deferred", ["output"])),
+]
+
+
+@pytest.mark.parametrize("field,env,names,expected", WEIGHT_GRADIENT_CASES)
+def test_weight_gradient_switches_reach_the_schedule_built(field, env, names, expected, monkeypatch, active_run_kept):
+    """``dualpipe.weight_gradients`` (0.3.0) and the environment (both releases; the variable wins,
+    ``TITAN_DUALPIPE_NOT_DEFERRED`` adds names) become our class's ``weight_gradients`` and
+    ``not_deferred``; a bad value is named with the choices."""
+    if field and not REGISTRY:
+        pytest.skip("0.2.2 has no config key for weight gradients")
+    for var, value in ((WEIGHT_GRADIENTS_ENV, env), (NOT_DEFERRED_ENV, names)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    built = _built_with(monkeypatch, *(["--dualpipe.weight-gradients", field] if field else []))
+    assert (built.kwargs["weight_gradients"], built.kwargs["not_deferred"]) == expected
+    monkeypatch.setenv(WEIGHT_GRADIENTS_ENV, "later")
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GRADIENTS='later': use one of deferred, split, whole"):
+        _built_with(monkeypatch)
 
 
 def test_a_bad_two_batch_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
