@@ -433,6 +433,9 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
         assert probe["two_batch_stages"] == ([3] if rank < 2 else [1, 2]), probe
         split = [key for key in lone_forwards(order[rank // 2]) if key[0] in probe["two_batch_stages"]]
         assert probe["halves"]["microbatches"] == len(split) * steps and probe["halves"]["hand_overs"] > 0, probe
+        # deferred weight GEMMs under full AC: torchtitan's routed experts and linear layers waited for W
+        assert any(name.endswith("experts") for names in probe["deferred_weights"].values() for name in names), probe
+        assert probe["deferred_last_step"].get("experts", 0) > 0 and probe["deferred_last_step"]["linear"] > 0, probe
     whole = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v_whole", *args, probe=True, nproc=4, steps=steps))
     assert all(whole.probe(rank)["halves"]["microbatches"] == 0 for rank in range(4))
     _assert_close(run.losses(), whole.losses(), rel=1e-4)
