@@ -8,11 +8,12 @@ What each action does (stage ``s``, microbatch ``m``):
                hand the output to the next stage if it lives on this rank.
 ``sB m``       wait for the output grad (RECV_B or same-rank hand-off), run the full
                backward, hand the input grad to a same-rank previous stage.
-``sI m``       as B but the weight gradient is deferred to the matching W. A chain's first
-               stage has no input grad, so its I does nothing and its W runs the backward.
-               A microbatch whose forward ran an activation-checkpoint region runs its full
-               backward here instead (:mod:`.split_backward`).
-``sW m``       run the deferred weight gradient of ``sI m`` (nothing if ``sI m`` ran it all).
+``sI m``       as B but the weight gradient is left to the matching W: by default one backward
+               with the weight GEMMs queued (:mod:`.deferred_weights`), else torch's split or
+               the full backward (:mod:`.split_backward`). A chain's first stage has no input
+               grad, so its I does nothing and its W runs the backward.
+``sW m``       run the weight gradient ``sI m`` left (its queued GEMMs, torch's weight pass, or
+               nothing if ``sI m`` ran it all).
 ``OVERLAP_F_B`` the pair ``(F; B)``; run by the schedule's pair runner (overlapped or one
                after the other).
 ``SEND_*``     post an async send of ``s``'s activation / input grad; waited at step end.

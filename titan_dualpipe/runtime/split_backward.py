@@ -1,6 +1,11 @@
-"""Which backwards may be split into I (input gradient) and W (weight gradient).
+"""How each I (input gradient) leaves the weight gradient to its W.
 
-A split backward runs autograd twice through a microbatch's graph: I with ``retain_graph``,
+Under the schedules' default, ``weight_gradients="deferred"``, an I runs one backward with the
+weight GEMMs queued for W (:mod:`.deferred_weights`), whatever regions the forward ran; only
+stages kept whole by a static rule (compiled blocks, below) run whole. The rest of this
+docstring is about ``weight_gradients="split"``, torch's split of the graph.
+
+torch's split backward runs autograd twice through a microbatch's graph: I with ``retain_graph``,
 then W. Some regions cannot be run twice, or pay twice when they are:
 
 - selective activation checkpointing (``checkpoint(..., use_reentrant=False,
