@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 from typing import Any, Callable
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cli import HelpFormatter
+from .stage_options import check_stage_sizes, emit
 from ..runtime.deferred_weights import WeightGradQueue, install
 from ..runtime.timeline import clock_for, span_seconds
 from ..testing.memory import LiveTensorBytes
@@ -67,14 +67,7 @@ def check_config(cfg: dict) -> None:
     unknown = [mode for mode in cfg["ac"] if mode not in AC_MODES]
     if unknown or not cfg["ac"]:
         raise ValueError(f"--ac {','.join(cfg['ac'])!r}: give AC modes from {', '.join(AC_MODES)}, comma-separated")
-    for key in ("blocks", "dim", "tokens", "seq", "microbatches", "rounds", "threads"):
-        if cfg[key] < 1:
-            raise ValueError(f"--{key} {cfg[key]}: give 1 or more")
-    if cfg["tokens"] % cfg["seq"]:
-        raise ValueError(f"--tokens {cfg['tokens']} is not a multiple of --seq {cfg['seq']}: "
-                         f"give --tokens {max(1, cfg['tokens'] // cfg['seq']) * cfg['seq']} or another --seq")
-    if cfg["model"] == "tinylm" and cfg["dim"] % 4:
-        raise ValueError(f"--dim {cfg['dim']}: TinyLM blocks have 4 heads, give a multiple of 4")
+    check_stage_sizes(cfg)
 
 
 # -- the stage ------------------------------------------------------------------------------
@@ -300,12 +293,7 @@ def measure(cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     cfg = {k: getattr(args, k) for k in ("model", "blocks", "dim", "tokens", "seq", "microbatches", "rounds", "threads")}
     cfg["ac"] = [mode.strip() for mode in args.ac.split(",") if mode.strip()]
-    result = measure(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return 0
+    return emit(measure(cfg), args.json, print_table)
 
 
 def print_table(result: dict) -> None:

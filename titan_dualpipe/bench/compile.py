@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import statistics
 from typing import Any, Callable, Iterator
 
@@ -38,6 +37,7 @@ from torch.profiler import record_function
 
 from .._compat import donated_buffers_off
 from ..cli import HelpFormatter
+from .stage_options import check_stage_sizes, emit
 from ..runtime.timeline import clock_for, span_seconds
 from ..testing.compiled_calls import compiled_backwards_by_range
 from ..testing.model import Block, compile_blocks
@@ -86,14 +86,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"--model {cfg['model']!r}: give one of {', '.join(MODELS)}")
     if cfg["backend"] not in BACKENDS:
         raise ValueError(f"--backend {cfg['backend']!r}: give one of {', '.join(BACKENDS)}")
-    for key in ("blocks", "dim", "tokens", "seq", "microbatches", "rounds", "threads"):
-        if cfg[key] < 1:
-            raise ValueError(f"--{key} {cfg[key]}: give 1 or more")
-    if cfg["tokens"] % cfg["seq"]:
-        raise ValueError(f"--tokens {cfg['tokens']} is not a multiple of --seq {cfg['seq']}: "
-                         f"give --tokens {max(1, cfg['tokens'] // cfg['seq']) * cfg['seq']} or another --seq")
-    if cfg["model"] == "tinylm" and cfg["dim"] % 4:
-        raise ValueError(f"--dim {cfg['dim']}: TinyLM blocks have 4 heads, give a multiple of 4")
+    check_stage_sizes(cfg)
     device = cfg.get("device", "cpu")
     if device not in DEVICES:
         raise ValueError(f"--device {device!r}: give one of {', '.join(DEVICES)}")
@@ -331,12 +324,7 @@ def _fmt(value: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     cfg = {k: getattr(args, k) for k in ("model", "blocks", "dim", "tokens", "seq", "microbatches", "rounds",
                                          "backend", "threads", "device")}
-    result = measure(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return 0
+    return emit(measure(cfg), args.json, print_table)
 
 
 def print_table(result: dict) -> None:
