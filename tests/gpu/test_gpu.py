@@ -9,6 +9,7 @@ same tests on the CPU with gloo, to work on them without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -355,3 +356,45 @@ def test_the_timeline_times_the_work_on_the_device():
     forwards = [t for t in ran if t.action.computation_type in (F, OVERLAP_F_B)]
     assert len(forwards) == 2 * n
     assert all(t.end - t.start >= 0.9 * delay for t in forwards), [(str(t.action), t.end - t.start) for t in forwards]
+
+
+def test_deferred_weight_gemms_on_the_device():
+    """Deferred weight GEMMs where autograd runs a CUDA backward on its own device thread: an
+    ``nn.Linear`` and grouped expert GEMMs (``torch._grouped_mm``; bfloat16 on the GPU) queue their
+    weight gradient during the backward inside ``collecting`` and give autograd's at W."""
+    from titan_dualpipe.runtime.deferred_gemms import DeferringExpertGemms
+    from titan_dualpipe.runtime.deferred_weights import WeightGradQueue, install
+
+    dtype = torch.float32 if ON_CPU else torch.bfloat16
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(DEVICE)
+    deferred, queue = copy.deepcopy(reference), WeightGradQueue()
+    install(deferred, queue)
+    x = torch.randn(4, 16, 64, device=DEVICE)
+    reference(x).square().sum().backward()
+    with queue.collecting((1, 0)):
+        deferred(x).square().sum().backward()
+    assert all(m.weight.grad is None for m in deferred if isinstance(m, nn.Linear)) and queue.pending() == {(1, 0): 2}
+    queue.run((1, 0))
+    for p, q in zip(deferred.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+
+    experts = torch.randn(4, 64, 32, device=DEVICE, requires_grad=True)
+    tokens = torch.randn(48, 64, device=DEVICE)
+    offs = torch.tensor([16, 16, 32, 48], device=DEVICE, dtype=torch.int32)
+
+    def grouped(queue: WeightGradQueue | None) -> torch.Tensor:
+        a = tokens.to(dtype).requires_grad_()
+        with DeferringExpertGemms(queue) if queue is not None else contextlib.nullcontext():
+            out = torch._grouped_mm(a, experts.to(dtype), offs=offs)
+        with queue.collecting((1, 1)) if queue is not None else contextlib.nullcontext():
+            out.float().square().sum().backward()
+        return a.grad
+
+    want_input, want_weight = grouped(None), experts.grad.clone()
+    experts.grad = None
+    got_input = grouped(queue)
+    assert experts.grad is None and queue.pending() == {(1, 1): 1}
+    queue.run((1, 1))
+    torch.testing.assert_close(got_input, want_input)
+    torch.testing.assert_close(experts.grad, want_weight)
