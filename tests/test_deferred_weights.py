@@ -198,3 +198,18 @@ def test_expert_weight_gemms_wait_for_w(make, ac):
     queue.run((0, 0))
     for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_installed_modules_copy_and_keep_their_state_dict():
+    """A stage module with deferred GEMMs installed deep-copies (the copy defers into the same queue
+    until installed again) and keeps its parameter names."""
+    import copy
+
+    model, queue = _model(True, "none"), WeightGradQueue()
+    names = list(model.state_dict())
+    install(model, queue)
+    twin = copy.deepcopy(model)
+    assert twin[0].w1._weight_grad_queue is queue and list(twin.state_dict()) == names
+    other = WeightGradQueue()
+    install(twin, other)
+    assert twin[0].w1._weight_grad_queue is other and model[0].w1._weight_grad_queue is queue

@@ -65,6 +65,16 @@ class WeightGradQueue:
         self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict) -> "WeightGradQueue":
+        return self  # a copied stage module defers into its schedule's queue until installed again
+
+    def __getstate__(self) -> dict:
+        return {"target": None, "_pending": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @contextlib.contextmanager
     def collecting(self, key: Key) -> Iterator[None]:
         self.target = key

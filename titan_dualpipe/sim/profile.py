@@ -14,7 +14,7 @@ Runs our schedule on ``pp`` local CPU processes with a TinyLM stage module and
 torchtitan does). Our runtime runs a compiled stage's backward whole at its I and makes its W a
 no-op (``runtime/split_backward.py``), so the measured I is a full backward and W takes nothing:
 the costs count those I as full backwards and set ``W = 0`` (``I = B``), and the output sets the
-simulated bubble next to the one the same costs would give with the eager split's weight share
+simulated bubble next to the one the same costs would give with the eager split's weight share (deferred weight GEMMs)
 of the backward (sampled on an uncompiled copy of a stage). One more step, under torch's
 profiler, counts the compiled backward calls each action kind ran (W: none).
 
@@ -83,13 +83,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repeats: int = 5,
                            module: torch.nn.Module | None = None) -> tuple[float, float]:
-    """Median seconds of torch's split backward (input part, weight part) of one microbatch on
-    ``stage``, a stage that is not its chain's first (there the weight part is the whole backward);
-    on ``module`` in its place if given (an uncompiled copy of a compiled stage's module)."""
-    from .._compat import stage_backward_input, stage_backward_weight
+    """Median seconds of an eager split backward as the runtime runs it by default (I with the
+    weight GEMMs deferred, W running them) of one microbatch on a copy of ``stage``'s module, a
+    stage that is not its chain's first (there the weight part is the whole backward); on a copy
+    of ``module`` if given (an uncompiled copy of a compiled stage's module)."""
+    from ..runtime.deferred_weights import WeightGradQueue, install
     from ..testing.model import lm_loss
 
-    module = stage.submod if module is None else module
+    module = copy.deepcopy(stage.submod if module is None else module)
+    queue = WeightGradQueue()
+    install(module, queue)
     samples = []
     for _ in range(repeats):
         h = torch.randn(x_rows, cfg["seq"], cfg["dim"], requires_grad=True)
@@ -99,9 +102,10 @@ def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repe
         else:
             roots, grads = [out], [torch.ones_like(out)]
         start = time.perf_counter()
-        _, groups = stage_backward_input(roots, grads, [h], module.parameters())
+        with queue.collecting((stage.stage_index, 0)):
+            torch.autograd.backward(roots, grads)
         middle = time.perf_counter()
-        stage_backward_weight(module.parameters(), groups)
+        queue.run((stage.stage_index, 0))
         samples.append((middle - start, time.perf_counter() - middle))
         module.zero_grad(set_to_none=True)
     return statistics.median(i for i, _ in samples), statistics.median(w for _, w in samples)
