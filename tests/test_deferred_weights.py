@@ -213,3 +213,58 @@ def test_installed_modules_copy_and_keep_their_state_dict():
     other = WeightGradQueue()
     install(twin, other)
     assert twin[0].w1._weight_grad_queue is other and model[0].w1._weight_grad_queue is queue
+
+
+def _wrap_forward(module: nn.Module) -> Callable:
+    """An instance-level forward around the one the class has now, as torchtitan 0.3.0's
+    ``Module.parallelize`` sets (input and output redistribution around it)."""
+    inner = module.forward
+
+    def forward_with_redistribution(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    module.forward = forward_with_redistribution
+    return forward_with_redistribution
+
+
+@pytest.mark.parametrize("wrapped", ["before-install", "after-install"])
+@pytest.mark.parametrize("make", [_titan_experts, _moe_experts, None], ids=["torchtitan-experts", "our-experts", "linear"])
+def test_a_forward_wrapped_on_the_instance_defers_too(make, wrapped):
+    """A module whose forward an instance attribute wraps (bound to the class's forward before or
+    after install) queues its weight GEMMs all the same, with autograd's gradients; uninstall gives
+    the wrapper back."""
+    from titan_dualpipe.runtime.deferred_weights import register_expert_class
+
+    if make is None:
+        def make():
+            torch.manual_seed(0)
+            return nn.Linear(16, 24), lambda m, x: m(x)
+    reference, call = make()
+    deferred, _ = make()
+    register_expert_class(type(reference)) if not isinstance(reference, nn.Linear) else None
+    queue = WeightGradQueue()
+    wrapper = _wrap_forward(deferred) if wrapped == "before-install" else None
+    assert install(deferred, queue) == [""]
+    wrapper = wrapper or _wrap_forward(deferred)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
+
+    def input_grad(module, queue=None):
+        h = x.clone().requires_grad_()
+        with queue.collecting((0, 0)) if queue is not None else contextlib.nullcontext():
+            call(module, h).square().sum().backward()
+        return h.grad
+
+    torch.testing.assert_close(input_grad(deferred, queue), input_grad(reference), rtol=1e-6, atol=1e-7)
+    weights = [p for p in deferred.parameters() if p.dim() > 1]
+    assert weights and all(p.grad is None for p in weights) and sum(queue.pending().values()) >= 1
+    queue.run((0, 0))
+    for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+    uninstall(deferred)
+    assert type(deferred) is type(reference)
+    assert deferred.forward is wrapper
+    for module in (deferred, reference):
+        module.zero_grad()
+    torch.testing.assert_close(input_grad(deferred), input_grad(reference), rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):  # autograd's again
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)

@@ -27,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import threading
+import types
 from collections import Counter
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 WEIGHT_GRADIENT_MODES = ("deferred", "split", "whole")
 Key = tuple[int, int]  # (stage index, microbatch)
@@ -177,11 +179,32 @@ class _DeferrableLinearForward:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        # A weight computed from others (a parametrization) gets its gradient through autograd.
+        # A weight computed from others (a parametrization) gets its gradient through autograd;
+        # an uninstalled module reaches here through a wrapper bound while it was installed.
         if (not torch.is_grad_enabled() or not weight.requires_grad or not weight.is_leaf
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or not isinstance(self, _DeferrableLinearForward)):
             return F.linear(input, self.weight, self.bias)
         return _DeferrableLinear.apply(input, self.weight, self.bias, self._weight_grad_queue)
+
+
+class _DeferringLinearCalls(TorchFunctionMode):
+    """Routes the ``F.linear`` calls of one forward whose weight needs a gradient through
+    :class:`_DeferrableLinear`: an installed ``nn.Linear`` whose forward an instance attribute
+    replaced (torchtitan 0.3.0's ``Module.parallelize`` wraps it with input and output
+    redistribution, around the forward the class had then)."""
+
+    def __init__(self, queue: WeightGradQueue) -> None:
+        super().__init__()
+        self.queue = queue
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            named = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
+            input, weight, bias = named["input"], named["weight"], named.get("bias")
+            if isinstance(weight, torch.Tensor) and weight.requires_grad:
+                return _DeferrableLinear.apply(input, weight, bias, self.queue)
+        return func(*args, **kwargs)
 
 
 class _DeferrableExpertsForward:
@@ -191,6 +214,8 @@ class _DeferrableExpertsForward:
     _weight_grad_queue: WeightGradQueue
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self, _DeferrableExpertsForward):  # uninstalled, reached through a wrapper bound before
+            return type(self).forward(self, *args, **kwargs)
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         from .deferred_gemms import DeferringExpertGemms
@@ -262,8 +287,26 @@ def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = 
         mixin = _mixin_for(child)
         if not isinstance(child, mixin):
             child.__class__ = _deferrable_class(type(child), mixin)
+            if "forward" in vars(child):  # a wrapper around the class's forward: it never reaches the mixin's
+                child._forward_before_deferral = child.forward
+                child.forward = types.MethodType(_deferring_instance_forward, child)
         child._weight_grad_queue = queue
     return list(modules)
+
+
+def _deferring_instance_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An installed module's instance-level forward: the one it had, its GEMMs routed as the
+    mixin's forward routes them (a bound method, so a deep copy calls the copy's forward)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return self._forward_before_deferral(*args, **kwargs)
+    if isinstance(self, _DeferrableLinearForward):
+        routing: TorchFunctionMode = _DeferringLinearCalls(self._weight_grad_queue)
+    else:
+        from .deferred_gemms import DeferringExpertGemms
+
+        routing = DeferringExpertGemms(self._weight_grad_queue)
+    with routing:
+        return self._forward_before_deferral(*args, **kwargs)
 
 
 def uninstall(module: nn.Module) -> None:
@@ -272,3 +315,6 @@ def uninstall(module: nn.Module) -> None:
         if isinstance(child, (_DeferrableLinearForward, _DeferrableExpertsForward)):
             child.__class__ = type(child)._original_class
             del child._weight_grad_queue
+            if "_forward_before_deferral" in vars(child):
+                child.forward = child._forward_before_deferral
+                del child._forward_before_deferral
