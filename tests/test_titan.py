@@ -356,7 +356,7 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     pairs sequential ends with bitwise the same weights and logs the same losses. (These use
     deterministic algorithms: without them this MoE model is not bitwise reproducible on
     CPU even between two identical sequential runs.)"""
-    steps = 5
+    steps = 3
     common = ["--debug.deterministic", *_seed_checkpoint(runs_dir, "debug_moe_dualpipe")]
     folding = [*common, "--parallelism.spmd_backend", "partial_dtensor"] if REGISTRY else common
     run = _ok(train("debug_moe_dualpipe", runs_dir / "moe", *folding, probe=True, nproc=4, steps=steps))
@@ -413,7 +413,7 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     (``TITAN_DUALPIPE_TWO_BATCH=1``) the lone forwards of its MoE stages run as two relayed halves
     that switch there too. The run without it (the default) logs the same losses and grad norms
     (a split microbatch's weight gradients are sums of two half-batch gradients: summation order)."""
-    steps = 4
+    steps = 3
     two_rows = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
                 "--training.seq_len", "32")
     # deterministic algorithms: otherwise two identical runs of this model differ on CPU
@@ -474,9 +474,9 @@ def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
     """``bench titan`` on the MoE config: the calibrated network costs each exchange about a
     quarter of a block's compute, every schedule reports its figures, the sequential ones
     leave exchanges exposed, and tokens per second follow from the step time."""
-    labels = "1F1B,torch DualPipeV,DualPipe"
+    labels = "1F1B,DualPipe"  # torch's executor and ours
     cmd = [sys.executable, "-m", "titan_dualpipe", "bench", "titan", config("debug_moe_dualpipe"), "--nproc", "4",
-           "--rounds", "1", "--steps", "3", "--warmup", "1", "--schedules", labels, "--json"]
+           "--rounds", "1", "--steps", "2", "--warmup", "1", "--schedules", labels, "--json"]
     cmd += ["--module", "titan_dualpipe.titan"] if REGISTRY else []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -489,9 +489,9 @@ def test_bench_titan_measures_every_schedule_it_runs(runs_dir: Path) -> None:
         assert set(figures) == {"step_time", "tokens_per_s", "peak_memory_bytes", "exposed_comm", "exposed_by_action"}
         assert figures["tokens_per_s"] == pytest.approx(tokens_per_step / figures["step_time"])
         assert figures["peak_memory_bytes"] > 2**20 and figures["step_time"] > 0, (label, figures)
-    for label in ("1F1B", "torch DualPipeV"):  # sequential: every exchange waits out its cost
-        assert result["schedules"][label]["exposed_comm"] > result["exchange_s"], (label, result)
-        assert set(result["schedules"][label]["exposed_by_action"]) == {"outside our actions"}  # torch's executor
+    sequential = result["schedules"]["1F1B"]  # every exchange waits out its cost, in torch's executor
+    assert sequential["exposed_comm"] > result["exchange_s"], result
+    assert set(sequential["exposed_by_action"]) == {"outside our actions"}
     ours = dict(result["schedules"]["DualPipe"]["exposed_by_action"])  # waits fall in our actions
     outside = ours.pop("outside our actions", 0.0)
     assert set(ours) <= {"lone F", "lone B", "lone I", "W", "pair"} and ours.get("pair", 0) > 0, ours
