@@ -24,7 +24,6 @@ Memory and recomputations come from one more untimed microbatch per path.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 from typing import Any, Callable
 
@@ -37,9 +36,8 @@ from .stage_options import check_stage_sizes, emit
 from ..runtime.deferred_weights import WeightGradQueue, install
 from ..runtime.timeline import clock_for, span_seconds
 from ..testing.memory import LiveTensorBytes
-from ..testing.model import Block
+from ..testing.model import AC_MODES, Block, checkpoint_block
 
-AC_MODES = ("none", "full", "selective")
 PATHS = ("deferred", "torch split", "whole")
 MODELS = ("tinylm", "titan")
 
@@ -102,43 +100,6 @@ class _Stage(nn.Module):
         return h
 
 
-def _selective_policy():
-    """torchtitan's op-level selective AC: keep attention and every second matmul, recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    attention = {op for op in (getattr(torch.ops.aten, name, None) for name in (
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention")) if op is not None}
-    attention = {op.default for op in attention}
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-    meta: dict[str, int] = {}  # one per checkpoint call: its forward and its recomputation count alike
-
-    def policy(ctx, op, *args, **kwargs):
-        if op in attention:
-            return CheckpointPolicy.MUST_SAVE
-        if op in matmuls:
-            key = "recompute_mm_count" if ctx.is_recompute else "forward_mm_count"
-            count = meta[key] = meta.get(key, 0) + 1
-            return CheckpointPolicy.MUST_SAVE if count % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _with_ac(block: nn.Module, mode: str) -> nn.Module:
-    """``block`` under torch's non-reentrant checkpoint (``full``, ``selective``) or as is."""
-    if mode == "none":
-        return block
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    context = {}
-    if mode == "selective":
-        context = {"context_fn": lambda: create_selective_checkpoint_contexts(_selective_policy())}
-    forward = block.forward
-    block.forward = functools.partial(checkpoint, forward, use_reentrant=False, **context)
-    return block
-
-
 class _Recomputes:
     """Forwards of the stage's blocks run inside a backward (checkpoint recomputations)."""
 
@@ -160,7 +121,7 @@ def _stage(cfg: dict, mode: str, path: str) -> tuple[nn.Module, int, _Recomputes
         dim = cfg["dim"]
         blocks, extra = [Block(dim, heads=4) for _ in range(cfg["blocks"])], (lambda h: ())
     recomputes = _Recomputes(blocks)
-    stage = _Stage([_with_ac(b, mode) for b in blocks], extra)
+    stage = _Stage([checkpoint_block(b, mode) for b in blocks], extra)
     queue = None
     if path == "deferred":
         queue = WeightGradQueue()

@@ -95,7 +95,8 @@ class _DeferrableGemm(torch.autograd.Function):
         grad_a = gemm.input_grad(grad, a, b) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:
-            if not ctx.queue.defer_to_operand(operand, lambda: gemm.weight_grad(grad, a, b), "experts"):
+            queued = ctx.queue.defer_to_operand(operand, lambda: gemm.weight_grad(grad, a, b), "experts", holds=(grad, a))
+            if not queued:
                 grad_b = gemm.weight_grad(grad, a, b)
         return grad_a, grad_b, None, None
 

@@ -61,7 +61,9 @@ class WeightGradQueue:
 
     def __init__(self) -> None:
         self.target: Key | None = None
-        self._pending: dict[Key, list[tuple[torch.Tensor, Callable[[], torch.Tensor], str]]] = {}
+        self._pending: dict[Key, list[tuple[torch.Tensor, Callable[[], torch.Tensor], str, Any]]] = {}
+        # a memory meter's ``hold``: counts a queued GEMM's operands as live until its W drops the handle
+        self.on_hold: Callable[[tuple[torch.Tensor, ...]], Any] | None = None
         self.ran: Counter[int] = Counter()  # weight GEMMs run at W this step, by stage
         self.ran_kinds: Counter[str] = Counter()  # ... by kind ("linear", "experts")
         self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
@@ -71,7 +73,8 @@ class WeightGradQueue:
         return self  # a copied stage module defers into its schedule's queue until installed again
 
     def __getstate__(self) -> dict:
-        return {"target": None, "_pending": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter()}
+        return {"target": None, "_pending": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(),
+                "on_hold": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -85,14 +88,17 @@ class WeightGradQueue:
         finally:
             self.target = None
 
-    def defer_to_operand(self, operand: torch.Tensor, gemm: Callable[[], torch.Tensor], kind: str = "linear") -> bool:
+    def defer_to_operand(self, operand: torch.Tensor, gemm: Callable[[], torch.Tensor], kind: str = "linear",
+                         holds: tuple[torch.Tensor, ...] = ()) -> bool:
         """Queue ``gemm`` (the gradient of ``operand``, a parameter or a tensor computed from one) for the
-        backward running now; False when it is not an ``I`` (compute it now)."""
+        backward running now; False when it is not an ``I`` (compute it now). ``holds``: the
+        tensors ``gemm`` keeps alive until it runs (its two operands)."""
         key = self.target
         if key is None:
             return False
+        handle = self.on_hold(holds) if self.on_hold is not None else None
         with self._lock:
-            self._pending.setdefault(key, []).append((operand, gemm, kind))
+            self._pending.setdefault(key, []).append((operand, gemm, kind, handle))
         return True
 
     def run(self, key: Key) -> int:
@@ -101,7 +107,7 @@ class WeightGradQueue:
         with self._lock:
             gemms = self._pending.pop(key, [])
         through_graph: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for operand, gemm, kind in gemms:
+        for operand, gemm, kind, _ in gemms:
             self.ran_kinds[kind] += 1
             grad = gemm()
             if operand.is_leaf:
@@ -167,8 +173,9 @@ class _DeferrableLinear(torch.autograd.Function):
             grad_bias = grad_2d.sum(0)
         if ctx.needs_input_grad[1]:
             input_2d = input.reshape(-1, input.shape[-1])
-            if not ctx.queue.defer_to_operand(ctx.parameter, lambda: grad_2d.t().mm(input_2d)):
-                grad_weight = grad_2d.t().mm(input_2d)
+            weight_gemm = lambda: grad_2d.t().mm(input_2d)  # noqa: E731
+            if not ctx.queue.defer_to_operand(ctx.parameter, weight_gemm, holds=(grad_2d, input_2d)):
+                grad_weight = weight_gemm()
         return grad_input, grad_weight, grad_bias, None
 
 

@@ -8,7 +8,8 @@ the part of ``torch.cuda.max_memory_allocated`` that the schedule moves.
 :func:`peak_activation_bytes` is the simulator's rule (a forward allocates its stage's
 activation, the backward that ends it frees it: B, or W after an I, or I where the backward
 runs whole there; a pair's forward allocates before its backward frees), weighted by each
-stage's measured bytes per microbatch.
+stage's measured bytes per microbatch. With deferred weight GEMMs an I frees the activation
+and holds its GEMMs' operands until the W; the meter counts those too (:meth:`ActivationMeter.hold`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class ActivationMeter:
         # through autograd's C++ graph that no garbage collector breaks
         return _Saved(tensor.detach(), key, self)
 
+    def hold(self, tensors: Iterable[torch.Tensor]) -> list[_Saved]:
+        """Count ``tensors`` as live (each storage once, with the saved ones) until the returned
+        handles are dropped: a deferred weight GEMM's operands, held from its I to its W
+        (``WeightGradQueue.on_hold``)."""
+        return [handle for handle in map(self._pack, tensors) if isinstance(handle, _Saved)]
+
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed
@@ -85,20 +92,32 @@ class ActivationMeter:
 
 
 def peak_activation_bytes(actions: list[_Action | None], bytes_per_stage: dict[int, float],
-                          freed_at_input: Collection[tuple[int, int]] = ()) -> float:
+                          freed_at_input: Collection[tuple[int, int]] = (),
+                          held_per_stage: dict[int, float] | None = None) -> float:
     """Most activation bytes alive at once on a rank running ``actions`` in order (comm
     actions ignored), each stage-microbatch weighing ``bytes_per_stage[stage]``. The
-    ``(stage, microbatch)`` in ``freed_at_input`` run their backward whole at ``I``: freed there."""
+    ``(stage, microbatch)`` in ``freed_at_input`` run their backward whole at ``I``: freed there.
+
+    ``held_per_stage``: on the stages it names, an ``I`` that defers its weight GEMMs frees the
+    saved bytes and holds these (the GEMMs' operands) until its ``W``."""
+    held = held_per_stage or {}
     live = peak = 0.0
     for action in actions:
         if action is None:
             continue
         for leaf in sorted(leaf_actions(action), key=lambda a: a.computation_type != F):
-            if leaf.computation_type == F:
-                live += bytes_per_stage[leaf.stage_index]
+            stage, kind = leaf.stage_index, leaf.computation_type
+            deferring = stage in held and (stage, leaf.microbatch_index) not in freed_at_input
+            if kind == F:
+                live += bytes_per_stage[stage]
                 peak = max(peak, live)
+            elif deferring and kind == I:  # autograd frees the saved tensors as the operands queue
+                live += held[stage] - bytes_per_stage[stage]
+                peak = max(peak, live)
+            elif deferring and kind == W:
+                live -= held[stage]
             elif _frees(leaf, freed_at_input):
-                live -= bytes_per_stage[leaf.stage_index]
+                live -= bytes_per_stage[stage]
     return peak
 
 

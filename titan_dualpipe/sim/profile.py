@@ -18,6 +18,13 @@ simulated bubble next to the one the same costs would give with the eager split'
 of the backward (sampled on an uncompiled copy of a stage). One more step, under torch's
 profiler, counts the compiled backward calls each action kind ran (W: none).
 
+``--ac none|full|selective`` checkpoints every TinyLM block (torch's non-reentrant checkpoint;
+``selective`` keeps attention and every second matmul, as torchtitan's op policy). The runtime's
+default defers each I's weight GEMMs to its W (:mod:`titan_dualpipe.runtime.deferred_weights`),
+so a checkpointed block is recomputed once, at I; the output sets the simulated bubble next to
+the one the same costs give with each backward whole at I (``W = 0``). The activation memory
+rows count what a deferred GEMM holds from its I to its W (its two operands) on both sides.
+
 ``--two-batch`` builds the schedule with ``two_batch_overlap="all"`` (TinyLM posts no
 exchanges, so ``True`` would split none of its stages): every lone forward runs its microbatch
 (``ROWS_PER_MICROBATCH`` rows) as two halves, and so does its backward where that is lone too
@@ -52,6 +59,7 @@ from .memory import ActivationMeter, peak_activation_bytes
 from .schedules import pipeline_for
 from .timeline import TimedAction, action_kind, draw_timeline, write_trace
 from .two_batch import freed_at_input, runs_backward, split_actions
+from ..testing.model import AC_MODES
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 COMPUTE_KINDS = ("F", "B", "I", "W", "F&B")  # as action_kind names them
@@ -75,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block in place first (backward whole at I, W a no-op: W=0)")
     p.add_argument("--compile-backend", help=f"with --compile: {' or '.join(COMPILE_BACKENDS)} (default inductor)")
+    p.add_argument("--ac", default="none", help=f"activation checkpointing of every block: {', '.join(AC_MODES)}")
     p.add_argument("-o", "--output", help="picture of the measured timeline (png/svg/pdf; needs matplotlib)")
     p.add_argument("--trace", help="Chrome/Perfetto trace of the measured timeline")
     p.add_argument("--json", action="store_true", help="print costs and times as JSON")
@@ -116,13 +125,16 @@ def _measure(cfg: dict) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV
-    from ..testing.model import TinyLM, compile_blocks, lm_loss, split_model
+    from ..testing.model import TinyLM, checkpoint_block, compile_blocks, lm_loss, split_model
 
     rank = dist.get_rank()
     place = placement(cfg["schedule"], cfg["pp"], cfg["microbatches"])
     torch.manual_seed(0)
     model = TinyLM(vocab=512, dim=cfg["dim"], layers=cfg["layers"], heads=4)
     parts = split_model(model, place.num_stages if not place.bidirectional else place.pp_size)
+    for part in parts:
+        for block in part.layers.values():
+            checkpoint_block(block, cfg["ac"])
     eager_parts = copy.deepcopy(parts) if cfg["compile"] else parts
     if cfg["compile"]:
         for part in parts:
@@ -142,9 +154,12 @@ def _measure(cfg: dict) -> dict:
         half_calls[0] = 0  # the last step's count stays
         dist.barrier()
         start = time.perf_counter()
-        with meter if step == cfg["steps"] - 1 else contextlib.nullcontext():  # the measured step
+        measured = step == cfg["steps"] - 1
+        schedule.weight_queue.on_hold = meter.hold if measured else None  # deferred GEMMs' operands: live until W
+        with meter if measured else contextlib.nullcontext():
             schedule.step(x, target=x) if feeds else schedule.step()
         step_time = time.perf_counter() - start
+    schedule.weight_queue.on_hold = None
     for hook in hooks:
         hook.remove()
     times = [0.0] * place.pp_size
@@ -158,7 +173,9 @@ def _measure(cfg: dict) -> dict:
     dist.all_gather_object(split, _split_backward_sample(probe, place, rows, cfg, module=eager_probe))
     memory: list = [None] * place.pp_size
     dist.all_gather_object(memory, (meter.peak, {s.stage_index: _stage_activation_bytes(s, place, rows, cfg)
-                                                 for s in stages}))
+                                                 for s in stages},
+                                    {s.stage_index: _stage_held_bytes(s, place, rows, cfg) for s in stages
+                                     if s.stage_index in schedule.deferred_weight_stages and not place.is_first(s.stage_index)}))
     calls: list = [None] * place.pp_size
     if cfg["compile"]:  # one more step, under the profiler: compiled backward calls per action kind
         step = (lambda: schedule.step(x, target=x)) if feeds else schedule.step
@@ -215,18 +232,46 @@ def _stage_activation_bytes(stage, place: Placement, rows: int, cfg: dict) -> in
     return held
 
 
+def _stage_held_bytes(stage, place: Placement, rows: int, cfg: dict) -> int:
+    """Bytes one microbatch's deferred weight GEMMs hold from its I to its W on ``stage`` (a
+    stage that defers and is not its chain's first), on a copy of its module."""
+    from ..runtime.deferred_weights import WeightGradQueue, install
+    from ..testing.model import lm_loss
+
+    module, queue = copy.deepcopy(stage.submod), WeightGradQueue()
+    install(module, queue)
+    x = torch.randn(rows, cfg["seq"], cfg["dim"], requires_grad=True)
+    with ActivationMeter(module.parameters()) as meter:
+        queue.on_hold = meter.hold
+        out = module(x)
+        if place.is_last(stage.stage_index):
+            roots, grads = [lm_loss(out, torch.zeros(rows, cfg["seq"], dtype=torch.long))], None
+        else:
+            roots, grads = [out], [torch.ones_like(out)]
+        with queue.collecting((stage.stage_index, 0)):
+            torch.autograd.backward(roots, grads)
+        del roots, out
+        held = meter.live  # the graph is gone: what the queue holds
+        queue.clear()
+    return held
+
+
 def activation_memory(measured: dict, freed: Collection[tuple[int, int]] = ()) -> dict:
-    """Per rank: the measured peak of saved activations and the simulator's prediction (its
-    live-activation rule over the order, each stage-microbatch weighing its measured bytes;
-    ``freed``: the ``(stage, microbatch)`` whose backward runs whole at I, freed there)."""
-    per_stage = {s: b for _, stages in measured["memory"] for s, b in stages.items()}
+    """Per rank: the measured peak of saved activations (and of deferred weight GEMMs' operands)
+    and the simulator's prediction (its live-activation rule over the order, each
+    stage-microbatch weighing its measured bytes, and from I to W on a deferring stage the
+    bytes its GEMMs hold; ``freed``: the ``(stage, microbatch)`` whose backward runs whole at
+    I, freed there)."""
+    per_stage = {s: b for _, stages, _ in measured["memory"] for s, b in stages.items()}
+    held = {s: b for _, _, stages in measured["memory"] for s, b in stages.items()}
     order = measured["order"]
-    measured_peak = [peak for peak, _ in measured["memory"]]
-    simulated = [peak_activation_bytes(order[rank], per_stage, freed) for rank in range(len(measured_peak))]
+    measured_peak = [peak for peak, _, _ in measured["memory"]]
+    simulated = [peak_activation_bytes(order[rank], per_stage, freed, held) for rank in range(len(measured_peak))]
     counts = [peak_activations([a for a in order[rank] if a is not None], freed) for rank in range(len(measured_peak))]
     return {"measured_peak_bytes": measured_peak, "simulated_peak_bytes": simulated,
             "simulated_peak_stage_microbatches": counts,
             "bytes_per_stage_microbatch": dict(sorted(per_stage.items())),
+            "held_bytes_per_stage_microbatch": dict(sorted(held.items())),
             "measured_over_simulated": [m / s if s else None for m, s in zip(measured_peak, simulated)]}
 
 
@@ -289,12 +334,14 @@ def _config(args: argparse.Namespace) -> dict:
         raise ValueError("--two-batch runs halves as a relay, which needs overlap: drop --no-overlap (or --two-batch)")
     if args.compile_backend is not None and not args.compile:
         raise ValueError(f"--compile-backend {args.compile_backend}: add --compile (or drop --compile-backend)")
+    if args.ac not in AC_MODES:
+        raise ValueError(f"--ac {args.ac!r}: give one of {', '.join(AC_MODES)}")
     backend = args.compile_backend or COMPILE_BACKENDS[0]
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"--compile-backend {backend!r}: give one of {', '.join(COMPILE_BACKENDS)}")
     return {"schedule": schedule, "pp": args.pp, "microbatches": args.microbatches, "steps": max(1, args.steps),
             "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap,
-            "two_batch": args.two_batch,
+            "two_batch": args.two_batch, "ac": args.ac,
             "compile": backend if args.compile else None}
 
 
@@ -338,11 +385,16 @@ def _print_compiled(result: dict) -> None:
 
 def _print_result(result: dict, costs: Costs) -> None:
     memory = result["activation_memory"]
-    print(f"measured costs (s): {costs}" + (" (F2, B2: on two halves; two-batch overlap)" if result["two_batch"] else ""))
+    print(f"measured costs (s), AC {result['ac']}: {costs}"
+          + (" (F2, B2: on two halves; two-batch overlap)" if result["two_batch"] else ""))
     print(f"step time: measured {result['measured_step_s']:.4f} s, simulated with these costs "
           f"{result['simulated_step_s']:.4f} s (bubble {result['simulated_bubble_ratio']:.1%})")
     if "compiled" in result:
         _print_compiled(result)
+    if "whole_at_input" in result:
+        whole = result["whole_at_input"]
+        print(f"  with each backward whole at I (W=0, the same costs): step {whole['simulated_step_s']:.4f} s, "
+              f"bubble {whole['simulated_bubble_ratio']:.1%}")
     if "forwards_on_halves" in result:
         halves = result["forwards_on_halves"]
         print(f"two-batch overlap: {halves['measured']} forwards ran on two halves "
@@ -374,11 +426,16 @@ def run(args: argparse.Namespace) -> int:
                       direction_of=direction_of, time_label="seconds")
     if args.trace:
         write_trace(timeline, args.trace, us_per_unit=1e6)
-    result = {"costs_s": costs.as_dict(), "two_batch": cfg["two_batch"], "measured_step_s": measured["step_time"],
+    result = {"costs_s": costs.as_dict(), "ac": cfg["ac"], "two_batch": cfg["two_batch"],
+              "measured_step_s": measured["step_time"],
               "simulated_step_s": simulated.makespan, "simulated_bubble_ratio": simulated.bubble_ratio,
               "activation_memory": activation_memory(measured, freed_at_input(split, place))}
     if cfg["compile"]:
         result["compiled"] = compiled_summary(measured, place, pipe, costs)
+    else:  # the same costs with each backward whole at I (W = 0): what deferring the weight GEMMs gains
+        whole_run = simulate(pipe, replace(costs, W=0.0), two_batch=cfg["two_batch"])
+        result["whole_at_input"] = {"simulated_step_s": whole_run.makespan,
+                                    "simulated_bubble_ratio": whole_run.bubble_ratio}
     if cfg["two_batch"]:
         result["forwards_on_halves"] = {"measured": measured["forwards_on_halves"],
                                         "lone_in_order": sum(a.computation_type == F for a in split)}

@@ -7,6 +7,7 @@ with a non-pipelined reference.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..split import split_layers
+
+AC_MODES = ("none", "full", "selective")  # activation checkpointing of a block (checkpoint_block)
 
 
 class Block(nn.Module):
@@ -70,3 +73,40 @@ def compile_blocks(blocks: Iterable[nn.Module], backend: str) -> None:
     """torch.compile each block in place (``block.compile``), as torchtitan compiles a model's blocks."""
     for block in blocks:
         block.compile(backend=backend)
+
+
+def _selective_policy():
+    """torchtitan's op-level selective AC: keep attention and every second matmul, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    attention = {op for op in (getattr(torch.ops.aten, name, None) for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention")) if op is not None}
+    attention = {op.default for op in attention}
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    meta: dict[str, int] = {}  # one per checkpoint call: its forward and its recomputation count alike
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in attention:
+            return CheckpointPolicy.MUST_SAVE
+        if op in matmuls:
+            key = "recompute_mm_count" if ctx.is_recompute else "forward_mm_count"
+            count = meta[key] = meta.get(key, 0) + 1
+            return CheckpointPolicy.MUST_SAVE if count % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
+    """``block`` (in place) under torch's non-reentrant checkpoint (``full``, ``selective``) or as is."""
+    if mode == "none":
+        return block
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context = {}
+    if mode == "selective":
+        context = {"context_fn": lambda: create_selective_checkpoint_contexts(_selective_policy())}
+    forward = block.forward
+    block.forward = functools.partial(checkpoint, forward, use_reentrant=False, **context)
+    return block
