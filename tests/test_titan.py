@@ -1595,6 +1595,30 @@ def test_bench_titan_compile_runs_each_schedule_compiled_beside_eager(tmp_path: 
     assert "vs eager" in table.splitlines()[0] and "4.00x" in table.splitlines()[2]
 
 
+def test_bench_titan_w_at_i_runs_each_backward_whole_at_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``... W at I`` (on request, not by default) runs our schedule with
+    ``TITAN_DUALPIPE_WEIGHT_GRADIENTS=whole``; the other runs keep the environment's setting."""
+    from types import SimpleNamespace
+
+    from titan_dualpipe.bench import titan as bench
+    from titan_dualpipe.switches import WEIGHT_GRADIENTS_ENV
+
+    assert not any("W at I" in label for label in bench.DEFAULT_LABELS)
+    seen: list[dict[str, str]] = []
+
+    def fake_run(argv: list[str], env: dict[str, str], **_: object) -> SimpleNamespace:
+        seen.append(env)
+        (Path(env[bench.BENCH_DIR_ENV]) / "bench_rank0.json").write_text("{}")
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.delenv(WEIGHT_GRADIENTS_ENV, raising=False)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    launcher = bench.Launcher("c.toml", 1, None, [], tmp_path)
+    for label in ("DualPipeV", "DualPipeV W at I", "DualPipe W at I"):
+        launcher.run(bench.BY_LABEL[label], 3, 0.0)
+    assert [env.get(WEIGHT_GRADIENTS_ENV) for env in seen] == [None, "whole", "whole"]
+
+
 def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
     """The composability matrix (titan-dualpipe matrix): both schedules on every layout, DualPipe's
     twins folded and exchanged where FSDP can fold them; a cell fails on any rank's step off the

@@ -29,6 +29,11 @@ The count exchange's wait counts as exposed on both devices alike: the wait for 
 their copy to the host, which torchtitan's dispatch does at once (on a GPU the host blocks there
 while the compute stream waits for the exchange; the CUDA events around it hold that stall).
 
+``DualPipeV W at I`` / ``DualPipe W at I`` (on request) run each backward whole at its I with
+W a no-op (``TITAN_DUALPIPE_WEIGHT_GRADIENTS=whole``), beside the default that defers the weight
+GEMMs to W: pass torchtitan's activation-checkpointing overrides (e.g. ``--activation_checkpoint.mode
+full``; 0.3.0: ``activation-checkpoint:full`` last) to compare them under each AC mode.
+
 ``--compile`` adds each schedule compiled (torchtitan's ``compile.enable`` with ``"model"`` and
 ``"loss"``: each transformer block compiled in place, inductor) next to it in every round, and
 the table gives its step time against the eager run's (``vs eager``: eager s/step over compiled
@@ -52,7 +57,8 @@ from typing import Any
 
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
-from ..switches import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV, TWO_BATCH_ENV
+from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV, TWO_BATCH_ENV,
+                        WEIGHT_GRADIENTS_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -68,6 +74,7 @@ class Variant:
     count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
     two_batch: bool = False  # True: lone forwards of MoE stages run in halves (needs microbatches of >= 2 rows)
+    weight_gradients: str | None = None  # our schedules' weight_gradients (None: the config's, deferred by default)
 
 
 VARIANTS = (
@@ -84,10 +91,13 @@ VARIANTS = (
     Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
     Variant("DualPipeV counts handed over", "DualPipeV", overlap=True, count_hand_over=True),
     Variant("DualPipe counts handed over", "DualPipe", overlap=True, count_hand_over=True),
+    # each backward whole at I (W a no-op): what deferring the weight GEMMs to W gains, e.g. under AC
+    Variant("DualPipeV W at I", "DualPipeV", overlap=True, weight_gradients="whole"),
+    Variant("DualPipe W at I", "DualPipe", overlap=True, weight_gradients="whole"),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
-DEFAULT_LABELS = [v.label for v in VARIANTS if not (v.count_hand_over or v.two_batch)]
+DEFAULT_LABELS = [v.label for v in VARIANTS if not (v.count_hand_over or v.two_batch or v.weight_gradients)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -107,7 +117,8 @@ OPTIONS: dict[str, dict] = {
     "--steps": dict(type=int, default=8, help="training steps per run"),
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
-                        help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over')"),
+                        help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
+                             "'... two-batch' and '... W at I')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
@@ -196,6 +207,7 @@ class Launcher:
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
                TWO_BATCH_ENV: "1" if variant.two_batch else "0"}
+        env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})
