@@ -21,6 +21,18 @@ def test_bench_backward_counts_recomputations_and_held_bytes():
         assert whole["W_s"] < 1e-3 and whole["held_bytes"] <= 0 and whole["peak_bytes"] < deferred["peak_bytes"]
     assert rows[("full", "torch split")]["recomputes_at_W"] >= 1  # torch's W recomputes the region again
     assert all(rows[("none", path)]["recomputes_at_I"] == 0 for path in backward.PATHS)
+    assert all(row["page_faults"] >= 0 and row["full_page_faults"] >= 0 for row in rows.values() if "error" not in row)
+
+
+def test_page_faults_count_first_touches_of_fresh_memory():
+    """The fault counter bench backward prints moves when memory new to the process is written
+    (64 MiB: above glibc's largest mmap threshold, so fresh pages from the OS)."""
+    import torch
+
+    before = backward._minor_faults()
+    fresh = torch.ones(2**24)
+    assert backward._minor_faults() - before >= 16, "no page faults counted for 64 MiB first touched"
+    del fresh
 
 
 def test_bench_backward_names_bad_options():

@@ -16,7 +16,10 @@ The full backward each path is compared with is a plain ``loss.backward()`` of t
 Printed per path: I and W seconds, (I + W) / full backward (the same mode's plain
 ``loss.backward()``), W / I, checkpointed-region recomputations per microbatch and block at I and
 at W (counted: block forwards run inside a backward), the peak of live tensor bytes over forward,
-I and W, and the bytes held from I to W (what W frees). Paths are timed in paired rounds (each
+I and W, the bytes held from I to W (what W frees), and the process's minor page faults per
+microbatch in I + W and in the full backward: on the CPU, memory a path holds longer makes the
+allocator take fresh pages from the OS, and each first touch costs a fault (a GPU's caching
+allocator reuses its blocks instead). Paths are timed in paired rounds (each
 round runs every path, in a rotated order); ratios are taken within a round, medians printed.
 Memory and recomputations come from one more untimed microbatch per path.
 """
@@ -172,26 +175,32 @@ class _Path:
     def _input(self, mb: int) -> torch.Tensor:
         return self.inputs[mb].detach().clone().requires_grad_()
 
-    def time(self) -> tuple[float, float, float]:
-        """Mean seconds per microbatch: (full backward, I, W)."""
+    def time(self) -> tuple[float, float, float, float, float]:
+        """Per microbatch, means: seconds of the full backward, I and W; the process's minor page
+        faults (first touches of memory the allocator got from the OS) in the full backward and in I + W."""
         clock, full_spans, spans = clock_for("cpu"), [], []
+        full_faults = path_faults = 0
         for mb in range(len(self.inputs)):
             backward = self.full(self._input(mb))
+            faults = _minor_faults()
             start = clock.mark()
             backward()
             full_spans.append((start, clock.mark()))
+            full_faults += _minor_faults() - faults
             backward_input, backward_weight = self.split(self._input(mb))
+            faults = _minor_faults()
             start = clock.mark()
             backward_input()
             middle = clock.mark()
             backward_weight()
             spans += [(start, middle), (middle, clock.mark())]
+            path_faults += _minor_faults() - faults
         self.stage.zero_grad(set_to_none=True)
         self.plain.zero_grad(set_to_none=True)
         n = len(self.inputs)
         full = sum(end - start for start, end in span_seconds(clock, full_spans)) / n
         seconds = [end - start for start, end in span_seconds(clock, spans)]
-        return full, sum(seconds[0::2]) / n, sum(seconds[1::2]) / n
+        return full, sum(seconds[0::2]) / n, sum(seconds[1::2]) / n, full_faults / n, path_faults / n
 
     def memory_and_recomputes(self, blocks: int) -> dict:
         """One microbatch: peak live bytes over forward, I and W; bytes W frees; recomputations per block at I and W."""
@@ -208,7 +217,16 @@ class _Path:
                 "recomputes_at_I": at_input / blocks, "recomputes_at_W": at_weight / blocks}
 
 
-def _rounds(paths: dict[str, _Path], rounds: int) -> dict[str, list[tuple[float, float, float]]]:
+def _minor_faults() -> int:
+    """This process's minor page faults so far (0 where the OS does not count them)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _rounds(paths: dict[str, _Path], rounds: int) -> dict[str, list[tuple[float, float, float, float, float]]]:
     times: dict[str, list] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
@@ -230,12 +248,14 @@ def _mode_rows(cfg: dict, mode: str) -> list[dict]:
         paths[path] = candidate
     times = _rounds(paths, cfg["rounds"])
     for path, samples in times.items():
-        full = statistics.median(f for f, _, _ in samples)
+        full = statistics.median(f for f, *_ in samples)
         rows.append({"ac": mode, "path": path, "full_s": full,
-                     "I_s": statistics.median(i for _, i, _ in samples),
-                     "W_s": statistics.median(w for _, _, w in samples),
-                     "ratio_to_full": statistics.median((i + w) / f for f, i, w in samples),
-                     "W_over_I": statistics.median(w / i for _, i, w in samples),
+                     "I_s": statistics.median(i for _, i, *_ in samples),
+                     "W_s": statistics.median(w for _, _, w, *_ in samples),
+                     "ratio_to_full": statistics.median((i + w) / f for f, i, w, *_ in samples),
+                     "W_over_I": statistics.median(w / i for _, i, w, *_ in samples),
+                     "full_page_faults": statistics.median(s[3] for s in samples),
+                     "page_faults": statistics.median(s[4] for s in samples),
                      **paths[path].memory_and_recomputes(cfg["blocks"])})
     return sorted(rows, key=lambda row: PATHS.index(row["path"]))
 
@@ -263,7 +283,7 @@ def print_table(result: dict) -> None:
           f"{cfg['seq']}) per microbatch, {cfg['threads']} thread(s); per microbatch, medians of {cfg['rounds']} "
           f"paired rounds x {cfg['microbatches']} microbatches")
     print(f"{'AC':<10}{'path':<13}{'full s':>9}{'I s':>9}{'W s':>9}{'(I+W)/full':>11}{'W/I':>7}"
-          f"{'recomp I/W':>12}{'peak MiB':>10}{'I->W MiB':>10}")
+          f"{'recomp I/W':>12}{'peak MiB':>10}{'I->W MiB':>10}{'faults':>15}")
     for row in result["rows"]:
         if "error" in row:
             print(f"{row['ac']:<10}{row['path']:<13}  cannot run: {row['error'][:90]}")
@@ -271,7 +291,10 @@ def print_table(result: dict) -> None:
         recomputes = f"{row['recomputes_at_I']:g} / {row['recomputes_at_W']:g}"
         print(f"{row['ac']:<10}{row['path']:<13}{row['full_s']:>9.4f}{row['I_s']:>9.4f}{row['W_s']:>9.4f}"
               f"{row['ratio_to_full']:>10.3f}x{row['W_over_I']:>7.2f}{recomputes:>12}"
-              f"{row['peak_bytes'] / 2**20:>10.1f}{row['held_bytes'] / 2**20:>10.1f}")
+              f"{row['peak_bytes'] / 2**20:>10.1f}{row['held_bytes'] / 2**20:>10.1f}"
+              f"{row['page_faults']:>8.0f} / {row['full_page_faults']:<4.0f}")
     print("full s: the same stage's plain loss.backward() (same AC mode, nothing installed), timed beside each path. recomp I/W: checkpointed "
           "block forwards run inside the I and the W backward, per microbatch and block. peak MiB: live tensor "
-          "bytes over one microbatch's forward, I and W; I->W MiB: what W frees (held from I to W).")
+          "bytes over one microbatch's forward, I and W; I->W MiB: what W frees (held from I to W). faults: the "
+          "process's minor page faults in I + W / in the full backward (memory first touched: on the CPU a "
+          "path that holds more pays them).")
