@@ -90,29 +90,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _deferring_copy(module: torch.nn.Module):
+    """A copy of a stage module with its weight GEMMs deferred into a queue of its own: (copy, queue)."""
+    from ..runtime.deferred_weights import WeightGradQueue, install
+
+    module, queue = copy.deepcopy(module), WeightGradQueue()
+    install(module, queue)
+    return module, queue
+
+
+def _deferred_input_backward(module, queue, stage, place: Placement, rows: int, cfg: dict) -> float:
+    """One microbatch's forward on ``module`` (a non-first stage's) and its backward as an I: the
+    weight GEMMs wait in ``queue`` under the key ``(stage, 0)``. Returns when the backward began
+    (``time.perf_counter()``)."""
+    from ..testing.model import lm_loss
+
+    out = module(torch.randn(rows, cfg["seq"], cfg["dim"], requires_grad=True))
+    if place.is_last(stage.stage_index):
+        roots, grads = [lm_loss(out, torch.zeros(rows, cfg["seq"], dtype=torch.long))], None
+    else:
+        roots, grads = [out], [torch.ones_like(out)]
+    start = time.perf_counter()
+    with queue.collecting((stage.stage_index, 0)):
+        torch.autograd.backward(roots, grads)
+    return start
+
+
 def _split_backward_sample(stage, place: Placement, x_rows: int, cfg: dict, repeats: int = 5,
                            module: torch.nn.Module | None = None) -> tuple[float, float]:
     """Median seconds of an eager split backward as the runtime runs it by default (I with the
     weight GEMMs deferred, W running them) of one microbatch on a copy of ``stage``'s module, a
     stage that is not its chain's first (there the weight part is the whole backward); on a copy
     of ``module`` if given (an uncompiled copy of a compiled stage's module)."""
-    from ..runtime.deferred_weights import WeightGradQueue, install
-    from ..testing.model import lm_loss
-
-    module = copy.deepcopy(stage.submod if module is None else module)
-    queue = WeightGradQueue()
-    install(module, queue)
+    module, queue = _deferring_copy(stage.submod if module is None else module)
     samples = []
     for _ in range(repeats):
-        h = torch.randn(x_rows, cfg["seq"], cfg["dim"], requires_grad=True)
-        out = module(h)
-        if place.is_last(stage.stage_index):
-            roots, grads = [lm_loss(out, torch.zeros(x_rows, cfg["seq"], dtype=torch.long))], None
-        else:
-            roots, grads = [out], [torch.ones_like(out)]
-        start = time.perf_counter()
-        with queue.collecting((stage.stage_index, 0)):
-            torch.autograd.backward(roots, grads)
+        start = _deferred_input_backward(module, queue, stage, place, x_rows, cfg)
         middle = time.perf_counter()
         queue.run((stage.stage_index, 0))
         samples.append((middle - start, time.perf_counter() - middle))
@@ -235,22 +248,10 @@ def _stage_activation_bytes(stage, place: Placement, rows: int, cfg: dict) -> in
 def _stage_held_bytes(stage, place: Placement, rows: int, cfg: dict) -> int:
     """Bytes one microbatch's deferred weight GEMMs hold from its I to its W on ``stage`` (a
     stage that defers and is not its chain's first), on a copy of its module."""
-    from ..runtime.deferred_weights import WeightGradQueue, install
-    from ..testing.model import lm_loss
-
-    module, queue = copy.deepcopy(stage.submod), WeightGradQueue()
-    install(module, queue)
-    x = torch.randn(rows, cfg["seq"], cfg["dim"], requires_grad=True)
+    module, queue = _deferring_copy(stage.submod)
     with ActivationMeter(module.parameters()) as meter:
         queue.on_hold = meter.hold
-        out = module(x)
-        if place.is_last(stage.stage_index):
-            roots, grads = [lm_loss(out, torch.zeros(rows, cfg["seq"], dtype=torch.long))], None
-        else:
-            roots, grads = [out], [torch.ones_like(out)]
-        with queue.collecting((stage.stage_index, 0)):
-            torch.autograd.backward(roots, grads)
-        del roots, out
+        _deferred_input_backward(module, queue, stage, place, rows, cfg)
         held = meter.live  # the graph is gone: what the queue holds
         queue.clear()
     return held
