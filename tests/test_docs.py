@@ -439,6 +439,20 @@ def test_readme_keeps_the_two_commands() -> None:
     assert len(readme.splitlines()) <= 250
 
 
+def test_ci_removes_the_venv_each_stage_made() -> None:
+    """``.ci/run`` names the venv its ``stage`` removes: the one bootstrap.py makes for that stage's
+    options (a wrong name would leave 6 GB behind, or remove the other lane's venv)."""
+    from titan_dualpipe.bootstrap import venv_name
+
+    script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    stages = re.findall(r"\bstage (\.venv\S*) (.*)$", script, flags=re.MULTILINE)
+    assert len(stages) == 2, stages
+    for venv, args in stages:
+        words = shlex.split(args)
+        options = {words[i][2:]: words[i + 1] for i in range(len(words) - 1) if words[i] in ("--torch", "--torchtitan")}
+        assert venv == venv_name(options.get("torch"), options.get("torchtitan")), (venv, args)
+
+
 def test_gpu_kit_dry_run(tmp_path: Path) -> None:
     lines = [c for c in titan_dualpipe_commands() if c.args[:1] == ("gpu-kit",) and not is_synopsis(c.args)]
     assert lines
