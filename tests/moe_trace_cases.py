@@ -8,9 +8,9 @@ Mesh ``pp=2 x ep=2`` as in :mod:`overlap_cases`. Three MoE modules, each run wit
   on a helper thread);
 - ``titan``: torchtitan's own MoE layer (0.2.2 ``models.moe.MoE``, float32 experts, its
   ``ExpertParallel`` token dispatch and combine) with :mod:`titan_dualpipe.titan.expert_overlap`
-  installed: a functional count exchange read at once, then token exchanges with uneven splits
-  through ``relayed_all_to_all_single``, forward on the calling thread and backward on the
-  relay's helper thread.
+  installed: a functional count exchange on its own communicator, read at once, then token
+  exchanges with uneven splits through ``relayed_all_to_all_single``, forward on the calling
+  thread and backward on the relay's helper thread.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap.moe import MoETransformer
 from titan_dualpipe.testing.model import lm_loss
 
-TITAN_DIM, TITAN_EXPERTS, TITAN_BLOCKS_PER_PART = 16, 4, 1
+TITAN_DIM, TITAN_EXPERTS, TITAN_BLOCKS_PER_PART = 16, 4, 2
 
 
 def titan_moe_available() -> str:
@@ -84,6 +84,7 @@ def _titan_modules(schedule: str, n: int) -> dict[int, nn.Module]:
     for module in modules.values():
         for moe in module.moes:
             ExpertParallel()._apply(moe.experts, topo.ep_mesh)
+    expert_overlap.count_communicators(modules.values())  # as our torchtitan adapter does: before step 1
     return modules
 
 
@@ -117,8 +118,15 @@ def recorded_moe_step(schedule: str, n: int, module: str) -> dict:
                       for e in recorder.events if isinstance(e, Post) for op in e.ops)
     return {"rank": dist.get_rank(), "events": recorder.events, "hand_overs": sum(r.hand_overs for r in relays),
             "all_to_alls": all_to_alls, "moe_layer_microbatches": _moe_layer_microbatches(sched, modules),
-            "ep_comm": ("group", topo.ep_group.group_name),
+            "ep_comm": ("group", topo.ep_group.group_name), "count_comm": _count_comm(topo.ep_group),
             "losses_finite": all(torch.isfinite(v).item() for v in losses)}
+
+
+def _count_comm(ep_group: Any) -> tuple[str, str]:
+    """The communicator of the token-count exchange of ``ep_group`` (its own, once made)."""
+    from titan_dualpipe.overlap.count_groups import count_group
+
+    return ("group", count_group(ep_group).group_name)
 
 
 def _moe_layer_microbatches(sched: Any, modules: dict[int, nn.Module]) -> int:

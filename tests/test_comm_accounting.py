@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dist_pool import one_rank_process_group
 from titan_dualpipe.overlap.comm import (CommStats, EmulatedNetwork, ExpertParallelComm, PendingAllToAll,
-                                         all_to_all)
+                                         RelayedExchangeCost, all_to_all)
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel
 from titan_dualpipe.overlap.segments import run_to_completion
 from titan_dualpipe.testing.model import lm_loss
@@ -204,3 +204,17 @@ def test_a_forward_keeps_no_dispatch_buffer_or_expert_output_alive(world_of_one)
         assert held == {"attention": 0, "experts": 0}, f"alive before the backward: {held}"
         backward(loss)  # the segment-wise backward still finds its roots
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_emulated_network_queues_each_communicator_apart():
+    """One FIFO per communicator: a count exchange posted on its own communicator while a token
+    exchange is in flight on the expert-parallel group is ready after its latency; posted on
+    the expert-parallel group it would be ready only after that token exchange."""
+    cost = RelayedExchangeCost(seconds=1.0, reference_rows=8)
+    ep, counts = types.SimpleNamespace(group_name="ep"), types.SimpleNamespace(group_name="ep counts")
+    assert cost.latency_s == 0.5 and RelayedExchangeCost(seconds=1.0).latency_s == 0.0
+    tokens_ready = cost.ready_at(ep, 10.0 + cost.seconds_for(8))
+    assert tokens_ready == 11.0
+    assert cost.ready_at(counts, 10.2 + cost.latency_s) == pytest.approx(10.7)  # its own queue: the latency only
+    assert cost.ready_at(ep, 10.2 + cost.latency_s) == 11.0  # the token exchange's queue: behind it
+    assert cost.ready_at(counts, 10.3) == pytest.approx(10.7)  # in order behind the earlier count exchange

@@ -315,7 +315,9 @@ def test_recorded_moe_step_completes_without_buffering(pool, schedule, n, module
     """Expert parallel x pipeline (pp=2 x ep=2), overlap on: our MoE module (its protocol, and as
     a relay) and torchtitan's MoE layer through the relay. The first step's traffic, expert-parallel
     exchanges from both threads of a relay included, completes under NCCL's semantics with every
-    communicator created at its first use, the pair communicators before the first action."""
+    communicator created at its first use, the pair communicators before the first action.
+    torchtitan's token counts go on their own communicator, and some are read while the partner
+    half's token exchange is in flight (2 MoE blocks per part: the second block's count exchange)."""
     if module == "titan" and moe_trace_cases.titan_moe_available():
         pytest.skip(moe_trace_cases.titan_moe_available())
     ran = pool.run(moe_trace_cases.recorded_moe_step, schedule=schedule, n=n, module=module)
@@ -327,5 +329,29 @@ def test_recorded_moe_step_completes_without_buffering(pool, schedule, n, module
         assert r["all_to_alls"] >= per_layer_mb * r["moe_layer_microbatches"], r
         assert (r["hand_overs"] > 0) == (module != "ours"), r
         assert r["ep_comm"] in first_uses(trace)[r["rank"]]
+        if module == "titan":  # the count exchange on its own communicator, read beside token exchanges in flight
+            assert r["count_comm"] != r["ep_comm"], r
+            counts, beside = _count_reads(trace[r["rank"]], r["count_comm"], r["ep_comm"])
+            assert counts >= r["moe_layer_microbatches"] and beside > 0, (counts, beside, describe(trace, [r["rank"]]))
     assert not _pair_communicators_created_late(trace), _pair_communicators_created_late(trace)
     _completes_lazy_and_eager(trace)
+
+
+def _count_reads(events: list, count_comm: tuple, ep_comm: tuple) -> tuple[int, int]:
+    """Count exchanges on ``count_comm`` posted and waited for on this rank, and how many of them
+    were waited for while a token exchange on ``ep_comm`` was posted and not yet waited for (on
+    one communicator the count exchange would have run after it)."""
+    in_flight: set[int] = set()
+    beside_tokens: dict[int, bool] = {}
+    counts = beside = 0
+    for event in events:
+        if isinstance(event, Post) and event.comm == ep_comm:
+            in_flight.add(event.work)
+        elif isinstance(event, Post) and event.comm == count_comm:
+            beside_tokens[event.work] = bool(in_flight)
+        elif isinstance(event, Wait) and event.work in beside_tokens:
+            counts += 1
+            beside += beside_tokens.pop(event.work) and bool(in_flight)
+        elif isinstance(event, Wait):
+            in_flight.discard(event.work)
+    return counts, beside

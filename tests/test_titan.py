@@ -364,6 +364,7 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     logged = run.logged()
     assert sorted(logged) == [0, 1, 2, 3] and all(logged[rank] == logged[0] for rank in logged)
     assert all(run.probe(rank)["folded"] is True for rank in range(4)) and "twins folded into FSDP" in run.output
+    assert "token counts exchanged on their own communicator (expert-parallel ranks" in run.output
     assert "CPU mode: FSDP computes in float32" in run.output
     assert any("moe.expert_bias" in name for name in run.probe(0)["stages"]["0"])
     for rank0, rank1 in ((0, 2), (1, 3)):
@@ -380,6 +381,7 @@ def test_moe_dualpipe_expert_parallel_on_4_processes(runs_dir: Path) -> None:
     exchange = _ok(train("debug_moe_dualpipe", runs_dir / "moe_exchange", *common, probe=True, nproc=4,
                          steps=steps, env=None if REGISTRY else {FOLD_ENV: "0"}))
     assert all(exchange.probe(rank)["folded"] is False for rank in range(4))
+    assert "token counts exchanged on their own communicator (expert-parallel ranks" in exchange.output
     assert "twins summed by an exchange" + (" (spmd_backend=spmd_types;" if REGISTRY else "") in exchange.output
     _assert_twins_identical(exchange, 0, 2)
     _assert_twins_identical(exchange, 1, 3)
@@ -1298,19 +1300,23 @@ def _count_exchange_worker(rank: int, init_file: str, results) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from titan_dualpipe.overlap.comm import emulate_relayed_exchanges
+    from titan_dualpipe.overlap.count_groups import count_group, make_count_groups
     from titan_dualpipe.overlap.relay import hand_over, run_relayed
     from titan_dualpipe.titan import GEN, expert_overlap
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    expert_overlap.install(count_exchange=True)
+    expert_overlap.install()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    make_count_groups([mesh])  # as build_schedule does before the first step
+    names = {mesh.get_group().group_name: "post tokens", count_group(mesh).group_name: "post counts"}
     log: list[str] = []
-    ops = {"all_to_all_single": "post", "wait_tensor": "wait"}
 
     class Collectives(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ in ops:
-                log.append(ops[func.overloadpacket.__name__])
+            if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ == "all_to_all_single":
+                log.append(names[args[3]])
+            elif func.namespace == "_c10d_functional" and func.overloadpacket.__name__ == "wait_tensor":
+                log.append("wait")
             return func(*args, **(kwargs or {}))
 
     experts, dim, tokens = 4, 3, 6
@@ -1348,18 +1354,20 @@ def _count_exchange_worker(rank: int, init_file: str, results) -> None:
     dist.destroy_process_group()
 
 
-def test_token_count_exchange_is_read_at_once_and_the_bench_can_hand_over_there(tmp_path: Path) -> None:
+def test_token_count_exchange_is_read_at_once_on_its_own_communicator(tmp_path: Path) -> None:
     """As torchtitan does, the count all-to-all is posted and read before the token exchange
-    hands over to the partner half; bench titan's comparison run hands over in between. The bench
-    waits for the counts itself, inside its exposed span (torchtitan's own wait then finds them
-    there: the second ``wait``)."""
+    hands over to the partner half, but on the count communicator, not the expert-parallel
+    group's (where it would queue behind the partner's token exchange); bench titan's comparison
+    run hands over in between. The bench waits for the counts itself, inside its exposed span
+    (torchtitan's own wait then finds them there: the second ``wait``)."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
     mp.spawn(_count_exchange_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     for rank in (0, 1):
-        assert results[(rank, False)][:6] == ["post", "wait", "wait", "post", "B0", "wait"], results[(rank, False)]
-        assert results[(rank, True)][:6] == ["post", "B0", "wait", "wait", "post", "B1"], results[(rank, True)]
+        read_at_once, handed_over = results[(rank, False)][:6], results[(rank, True)][:6]
+        assert read_at_once == ["post counts", "wait", "wait", "post tokens", "B0", "wait"], read_at_once
+        assert handed_over == ["post counts", "B0", "wait", "wait", "post tokens", "B1"], handed_over
 
 
 def test_folded_rank_map_puts_twins_side_by_side() -> None:

@@ -9,6 +9,7 @@ FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exc
 TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
 WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "split" or "whole"
 NOT_DEFERRED_ENV = "TITAN_DUALPIPE_NOT_DEFERRED"  # comma-separated module names / fnmatch patterns kept out of deferral
+COUNT_GROUPS_ENV = "TITAN_DUALPIPE_COUNT_GROUPS"  # "0": token counts on the expert-parallel group's communicator; unset or "1": their own
 
 # what ``bench titan`` passes to its trainer processes (:mod:`titan_dualpipe.titan.bench_probe`)
 BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record; unset: no probe

@@ -57,8 +57,8 @@ from typing import Any
 
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
-from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV, TWO_BATCH_ENV,
-                        WEIGHT_GRADIENTS_ENV)
+from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_GROUPS_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV,
+                        TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -72,6 +72,7 @@ class Variant:
     overlap: bool | None = None  # None: the config's own setting (torch's schedules ignore it)
     fold_twins: bool = True
     count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
+    count_groups: bool = True  # False: the token counts on the expert-parallel group's communicator
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
     two_batch: bool = False  # True: lone forwards of MoE stages run in halves (needs microbatches of >= 2 rows)
     weight_gradients: str | None = None  # our schedules' weight_gradients (None: the config's, deferred by default)
@@ -91,13 +92,17 @@ VARIANTS = (
     Variant("DualPipe twin exchange", "DualPipe", overlap=True, fold_twins=False),  # no twin folding into FSDP
     Variant("DualPipeV counts handed over", "DualPipeV", overlap=True, count_hand_over=True),
     Variant("DualPipe counts handed over", "DualPipe", overlap=True, count_hand_over=True),
+    # the token counts behind the token exchanges, on the expert-parallel group's communicator
+    Variant("DualPipeV shared count comm", "DualPipeV", overlap=True, count_groups=False),
+    Variant("DualPipe shared count comm", "DualPipe", overlap=True, count_groups=False),
     # each backward whole at I (W a no-op): what deferring the weight GEMMs to W gains, e.g. under AC
     Variant("DualPipeV W at I", "DualPipeV", overlap=True, weight_gradients="whole"),
     Variant("DualPipe W at I", "DualPipe", overlap=True, weight_gradients="whole"),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
-DEFAULT_LABELS = [v.label for v in VARIANTS if not (v.count_hand_over or v.two_batch or v.weight_gradients)]
+DEFAULT_LABELS = [v.label for v in VARIANTS
+                  if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -206,7 +211,7 @@ class Launcher:
         argv += list(COMPILE_OVERRIDES) if variant.compiled else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
-               TWO_BATCH_ENV: "1" if variant.two_batch else "0"}
+               TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0"}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)

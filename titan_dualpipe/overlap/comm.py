@@ -287,10 +287,12 @@ class _RelayedAllToAllSingle(torch.autograd.Function):
 class RelayedExchangeCost:
     """Emulated network for :func:`relayed_all_to_all_single` and :func:`count_exchange`
     (CPU): a token exchange is ready ``seconds`` after it was posted at the earliest, a count
-    exchange (a few integers) at once; both not before every exchange posted earlier on the same
-    group (a communicator runs its collectives in order, as NCCL does on its stream). ``stats``
-    adds up the time spent blocked waiting for exchanges (posted to waited, the partner half's
-    compute excluded)."""
+    exchange (a few integers) after the latency alone (:attr:`latency_s`); each not before every
+    exchange posted earlier on its own communicator (one FIFO per process group, as NCCL runs a
+    communicator's collectives in order on its stream). The token-count exchange has a
+    communicator of its own (:mod:`.count_groups`), so it queues behind no token exchange.
+    ``stats`` adds up the time spent blocked waiting for exchanges (posted to waited, the partner
+    half's compute excluded)."""
 
     seconds: float = 0.0
     # Rows of a whole microbatch's token exchange. Set: an exchange of ``rows`` rows costs
@@ -306,6 +308,11 @@ class RelayedExchangeCost:
         if not self.reference_rows:
             return self.seconds
         return self.seconds * (0.5 + 0.5 * rows / self.reference_rows)
+
+    @property
+    def latency_s(self) -> float:
+        """An exchange's cost without its rows: half of ``seconds`` once rows are modelled, else 0."""
+        return self.seconds_for(0) if self.reference_rows else 0.0
 
     def ready_at(self, group: Any, earliest: float) -> float:
         """When an exchange posted on ``group`` now, ready at ``earliest`` on its own, is ready."""
@@ -341,18 +348,18 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
 
 
 def count_exchange(post: Callable[[], T], group: Any) -> T:
-    """``post()`` (an expert-parallel token-count exchange on ``group``, which the caller reads
-    on the host right after) as the emulated network sees it: ready no earlier than the exchanges
-    posted before it on ``group``; the wait for the counts, their copy to the host included
-    (:func:`_counts_on_host`), counted as exposed. With ``count_hand_over`` (a comparison run) a
-    hand-over to the partner half comes between posting and that wait. Without an emulated
-    network, ``post()`` alone. Returns the counts, waited for (the caller's own wait and read
-    then find them there)."""
+    """``post()`` (an expert-parallel token-count exchange on ``group``, its own communicator,
+    which the caller reads on the host right after) as the emulated network sees it: ready after
+    the latency, and no earlier than the exchanges posted before it on ``group``; the wait for
+    the counts, their copy to the host included (:func:`_counts_on_host`), counted as exposed.
+    With ``count_hand_over`` (a comparison run) a hand-over to the partner half comes between
+    posting and that wait. Without an emulated network, ``post()`` alone. Returns the counts,
+    waited for (the caller's own wait and read then find them there)."""
     cost = _RELAYED_COST
     posted = post()
     if cost is None:
         return posted
-    ready_at = cost.ready_at(group, time.perf_counter())
+    ready_at = cost.ready_at(group, time.perf_counter() + cost.latency_s)
     if cost.count_hand_over:
         hand_over()
     return cost.stats.wait_until(ready_at, lambda: _counts_on_host(posted))

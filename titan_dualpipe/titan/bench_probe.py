@@ -215,7 +215,7 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
     if exchange_s > 0 and torch.cuda.is_available():
         raise ValueError(f"the emulated network ({EXCHANGE_S_ENV}={exchange_s}) is for CPU runs: on GPUs the "
                          "exchanges cross the real network; run the bench with --comm-ratio 0")
-    expert_overlap.install(count_exchange=True)
+    expert_overlap.install()
     cost = emulate_relayed_exchanges(exchange_s)  # exchange_s is a number: always a cost
     cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "0") == "1"
     record, clock = _Record(), _PhaseClock()

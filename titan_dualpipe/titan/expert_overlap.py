@@ -20,15 +20,13 @@ unchanged (:mod:`titan_dualpipe.overlap.relay`).
 Before the token exchange, each rank's per-expert token counts go to its peers in an
 all-to-all that the dispatch reads on the host at once (0.2.2: ``ExpertParallel``'s
 ``all_to_all_single`` then ``wait_tensor``; 0.3.0: ``_token_count_exchange`` then
-``_sync_token_count_exchange``). On one communicator that read waits for the partner half's
-token exchange posted before it. It stays torchtitan's: a hand-over between posting and
-reading was built and measured (``bench titan``'s ``... counts handed over``) and leaves more
-exposed, not less. The partner half's next step is to wait for that same exchange, so the
-hand-over only moves the wait to the partner, and the partner then hands back after posting its
-next exchange with almost no compute of this half left to cover it (this half's token exchange
-follows its count read at once). ``install(count_exchange=True)`` (bench runs) routes the count
-exchange through :func:`~titan_dualpipe.overlap.comm.count_exchange`, where the emulated network
-charges it and the comparison runs hand over.
+``_sync_token_count_exchange``). On the expert-parallel group's communicator that read would wait
+for the partner half's token exchange posted before it, so the count exchange runs on a
+communicator of its own (:mod:`titan_dualpipe.overlap.count_groups`): :func:`count_communicators`
+makes one per expert-parallel group of the stage modules before the first step. It goes through
+:func:`~titan_dualpipe.overlap.comm.count_exchange`, where ``bench titan``'s emulated network
+charges it (and its comparison runs hand over between posting and reading). Inside a compiled
+graph it stays torchtitan's, on the expert-parallel group.
 
 0.2.2's ``ExpertParallel`` keeps a dispatch's splits on the module until the combine; they are
 kept per thread (:class:`PerThread`), so the two halves of a two-batch split, which run one layer
@@ -41,10 +39,11 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
+from ..overlap.count_groups import count_group, make_count_groups
 from .generation import GEN
 from .pipeline import ACTIVE
 
@@ -63,19 +62,91 @@ def _combine_token_exchange(self: Any, routed: torch.Tensor, pg: Any, input_spli
     return relayed_all_to_all_single(routed, input_splits, output_splits, pg)
 
 
-def _through_count_exchange(post: Callable[..., Any], group_of: Callable[..., Any]) -> Callable[..., Any]:
-    """``post`` (torchtitan's count-exchange poster) through :func:`..overlap.comm.count_exchange`;
-    ``group_of(*args)`` names its group."""
-    if getattr(post, "_titan_dualpipe", False):
-        return post
+def _on_count_communicator(post_on: Callable[[Any], Any], group: Any) -> Any:
+    """The token-count exchange ``post_on(g)`` on ``group``'s count communicator ``g``, through
+    the emulated network when one is set; torchtitan's own inside a compiled graph."""
+    if torch.compiler.is_compiling():
+        return post_on(group)
+    from ..overlap.comm import count_exchange
 
-    def posted(*args: Any, **kwargs: Any) -> Any:
-        from ..overlap.comm import count_exchange
+    counts = count_group(group)
+    return count_exchange(lambda: post_on(counts), counts)
 
-        return count_exchange(lambda: post(*args, **kwargs), group_of(*args, **kwargs))
 
-    posted._titan_dualpipe = True  # type: ignore[attr-defined]
-    return posted
+def _count_exchange_022(all_to_all_single: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.2: ``expert_parallel.all_to_all_single``, which only the count exchange calls."""
+    if getattr(all_to_all_single, "_titan_dualpipe", False):
+        return all_to_all_single
+
+    def exchange(x: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any, group: Any, tag: str = "") -> Any:
+        return _on_count_communicator(
+            lambda g: all_to_all_single(x, output_split_sizes, input_split_sizes, group=g, tag=tag), group)
+
+    exchange._titan_dualpipe = True  # type: ignore[attr-defined]
+    return exchange
+
+
+def _count_exchange_030(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.3.0: ``AllToAllTokenDispatcher._token_count_exchange``. Under the ``spmd_types`` backend it
+    exchanges on the group it is given; otherwise on its expert-parallel mesh, so on the count
+    communicator it is the same functional all-to-all, given that group."""
+    if getattr(original, "_titan_dualpipe", False):
+        return original
+    from torch.distributed._functional_collectives import all_to_all_single
+    from torchtitan.distributed.utils import get_spmd_backend
+
+    def _token_count_exchange(self: Any, counts: torch.Tensor, pg: Any, ep_size: int) -> torch.Tensor:
+        def post_on(group: Any) -> torch.Tensor:
+            if group is pg or get_spmd_backend() == "spmd_types":
+                return original(self, counts, group, ep_size)
+            return all_to_all_single(counts.view(ep_size, -1), None, None, group=group)
+
+        return _on_count_communicator(post_on, pg)
+
+    _token_count_exchange._titan_dualpipe = True  # type: ignore[attr-defined]
+    return _token_count_exchange
+
+
+# 0.2.2: the expert-parallel mesh an ExpertParallel style was applied with, kept on the module
+_EP_MESH = "_titan_dualpipe_ep_mesh"
+
+
+def _recording_ep_mesh(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.2: ``ExpertParallel._apply(module, device_mesh)`` that keeps the mesh its token dispatch
+    uses on ``module`` (``device_mesh["ep"]`` for expert-tensor parallelism)."""
+    if getattr(apply, "_titan_dualpipe", False):
+        return apply
+
+    def _apply(self: Any, module: torch.nn.Module, device_mesh: Any) -> Any:
+        names = device_mesh.mesh_dim_names or ()
+        setattr(module, _EP_MESH, device_mesh["ep"] if device_mesh.ndim > 1 and "ep" in names else device_mesh)
+        return apply(self, module, device_mesh)
+
+    _apply._titan_dualpipe = True  # type: ignore[attr-defined]
+    return _apply
+
+
+def expert_parallel_groups(modules: Iterable[torch.nn.Module]) -> list[Any]:
+    """The expert-parallel meshes that torchtitan's token dispatch in ``modules`` exchanges over
+    (0.3.0: the ``ep_mesh`` of each MoE layer's ``token_dispatcher``; 0.2.2: the mesh its
+    ``ExpertParallel`` was applied with)."""
+    meshes = []
+    for module in modules:
+        for m in module.modules():
+            if GEN.registry:
+                mesh = getattr(getattr(m, "token_dispatcher", None), "ep_mesh", None)
+            else:
+                mesh = getattr(m, _EP_MESH, None)
+            if mesh is not None and mesh.ndim == 1:
+                meshes.append(mesh)
+    return meshes
+
+
+def count_communicators(modules: Iterable[torch.nn.Module]) -> dict:
+    """The count communicators of the expert-parallel groups of ``modules`` (see
+    :func:`~titan_dualpipe.overlap.count_groups.make_count_groups`: every rank calls this,
+    before the first step). Returns them by the groups' ranks."""
+    return make_count_groups(expert_parallel_groups(modules))
 
 
 class TrainerMeshes(threading.local):
@@ -144,10 +215,10 @@ def has_expert_parallel_moe(module: torch.nn.Module) -> bool:
                                           for m in module.modules())
 
 
-def install(*, count_exchange: bool = False) -> None:
-    """Route torchtitan's expert-parallel all-to-all through the relay (idempotent); with
-    ``count_exchange`` (bench runs) its token-count exchange through ``comm.count_exchange`` too.
-    Our schedules' two-batch overlap then counts torchtitan's MoE stages as stages with exchanges."""
+def install() -> None:
+    """Route torchtitan's expert-parallel all-to-all through the relay, and its token-count exchange
+    to the count communicators (idempotent). Our schedules' two-batch overlap then counts
+    torchtitan's MoE stages as stages with exchanges."""
     from ..runtime.deferred_weights import register_expert_class
     from ..runtime.two_batch import register_exchange_rule
 
@@ -158,9 +229,7 @@ def install(*, count_exchange: bool = False) -> None:
 
         AllToAllTokenDispatcher._dispatch_token_exchange = _dispatch_token_exchange
         AllToAllTokenDispatcher._combine_token_exchange = _combine_token_exchange
-        if count_exchange:
-            AllToAllTokenDispatcher._token_count_exchange = _through_count_exchange(
-                AllToAllTokenDispatcher._token_count_exchange, lambda self, counts, pg, ep_size: pg)
+        AllToAllTokenDispatcher._token_count_exchange = _count_exchange_030(AllToAllTokenDispatcher._token_count_exchange)
         _share_meshes_with_the_relay()
         return
     from torchtitan.distributed import expert_parallel
@@ -171,6 +240,7 @@ def install(*, count_exchange: bool = False) -> None:
     for name in _DISPATCH_STATE:
         if not isinstance(expert_parallel.ExpertParallel.__dict__.get(name), PerThread):
             setattr(expert_parallel.ExpertParallel, name, PerThread(name))
-    if count_exchange:
-        expert_parallel.all_to_all_single = _through_count_exchange(
-            expert_parallel.all_to_all_single, lambda x, output_splits, input_splits, group, *_: group)
+    expert_parallel.all_to_all_single = _count_exchange_022(expert_parallel.all_to_all_single)
+    for style in (expert_parallel.ExpertParallel, expert_parallel.ExpertTensorParallel):
+        if "_apply" in style.__dict__:
+            style._apply = _recording_ep_mesh(style.__dict__["_apply"])

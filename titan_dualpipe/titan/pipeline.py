@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..switches import NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV
+from ..switches import COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV
 from . import fold
 from .config_check import Plan, our_schedule
 from .generation import GEN
@@ -207,8 +207,29 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
         + _twins_note(name, par) + _two_batch_note(schedule, par) + _weight_gradients_note(schedule)
+        + _count_communicators_note(stages)
     )
     return schedule
+
+
+def _count_communicators_note(stages: list) -> str:
+    """Under expert parallelism, the token-count exchange's own communicators, made here: every
+    rank builds its schedule, before the first step (:mod:`titan_dualpipe.overlap.count_groups`).
+    ``TITAN_DUALPIPE_COUNT_GROUPS=0`` leaves the counts on the expert-parallel group's."""
+    value = os.environ.get(COUNT_GROUPS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{COUNT_GROUPS_ENV}={value!r}: use 1 (the default: the token counts on their own "
+                         "communicator) or 0 (on the expert-parallel group's)")
+    if not ACTIVE.expert_parallel:
+        return ""
+    if value == "0":
+        return "; token counts exchanged on the expert-parallel group's communicator"
+    from .expert_overlap import count_communicators
+
+    twins = count_communicators([stage.submod for stage in stages])
+    if not twins:
+        return ""
+    return f"; token counts exchanged on their own communicator (expert-parallel ranks {sorted(map(list, twins))})"
 
 
 def weight_gradient_options() -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""The token-count exchange on a communicator of its own.
+
+An MoE dispatch first sends each expert-parallel peer its per-expert token counts and reads the
+peer's counts on the host at once; only then can it post the token exchange itself. On the
+expert-parallel group's communicator that count exchange runs behind every collective posted
+there before it (NCCL runs a communicator's collectives in order on one stream; gloo on one
+queue). In a relayed pair that is the partner half's token exchange, in flight while this half
+dispatches, so each count read waited out the partner's whole exchange.
+
+:func:`make_count_groups` gives every expert-parallel group a twin with the same ranks, made
+once before the first step; :func:`count_group` names the twin that a group's count exchange
+uses. A group without a twin (one made after the first step) keeps its own communicator: a
+process group is never created mid-schedule, where the ranks of a group may be in different
+halves of a pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch.distributed as dist
+
+
+class _Twins:
+    """The twins made in the current default process group (a new one starts afresh)."""
+
+    def __init__(self) -> None:
+        self.world: Any = None
+        self.mine: dict[tuple[int, ...], dist.ProcessGroup] = {}  # this rank's groups' twins, by ranks
+        self.made: set[tuple[int, ...]] = set()  # every twin made, this rank a member or not
+
+    def current(self) -> "_Twins":
+        if self.world is not dist.group.WORLD:
+            self.world, self.mine, self.made = dist.group.WORLD, {}, set()
+        return self
+
+
+_TWINS = _Twins()
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` (a process group, or a one-dimensional device mesh)."""
+    if hasattr(group, "get_group"):  # DeviceMesh
+        group = group.get_group()
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def make_count_groups(groups: Iterable[Any]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A count communicator for each expert-parallel group in ``groups`` (this rank's) and in every
+    other rank's: collective over the world, so every rank calls it, before the first step.
+
+    Every rank makes every twin (``new_group`` asks that of all ranks), in one order (by ranks),
+    each once: the least twin not yet made always has every rank at it, so the making cannot
+    deadlock, with eager NCCL initialisation too. Returns this rank's twins by ranks."""
+    mine = sorted({group_ranks(group) for group in groups})
+    everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    twins = _TWINS.current()
+    wanted = sorted({tuple(ranks) for theirs in everyone for ranks in theirs or []} - twins.made)
+    me = dist.get_rank()
+    for ranks in wanted:
+        twin = dist.new_group(list(ranks))
+        twins.made.add(ranks)
+        if me in ranks:
+            twins.mine[ranks] = twin
+    return {ranks: twins.mine[ranks] for ranks in mine}
+
+
+def count_group(group: Any) -> Any:
+    """The communicator for ``group``'s token-count exchange: its twin, or ``group`` itself."""
+    if group is None or not dist.is_initialized():
+        return group
+    twins = _TWINS.current().mine
+    return twins.get(group_ranks(group), group) if twins else group
