@@ -123,7 +123,7 @@ OPTIONS: dict[str, dict] = {
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
-                             "'... two-batch' and '... W at I')"),
+                             "'... shared count comm', '... two-batch' and '... W at I')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
