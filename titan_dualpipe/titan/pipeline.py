@@ -203,30 +203,35 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     csv = par.pipeline_parallel_schedule_csv
     if csv:
         schedule._load_csv(csv)
+    count_twins = _make_count_communicators(stages)
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
         + _twins_note(name, par) + _two_batch_note(schedule, par) + _weight_gradients_note(schedule)
-        + _count_communicators_note(stages)
+        + _count_communicators_note(count_twins)
     )
     return schedule
 
 
-def _count_communicators_note(stages: list) -> str:
+def _make_count_communicators(stages: list) -> dict | None:
     """Under expert parallelism, the token-count exchange's own communicators, made here: every
     rank builds its schedule, before the first step (:mod:`titan_dualpipe.overlap.count_groups`).
-    ``TITAN_DUALPIPE_COUNT_GROUPS=0`` leaves the counts on the expert-parallel group's."""
+    None where none are made: no expert parallelism, or ``TITAN_DUALPIPE_COUNT_GROUPS=0`` (the
+    counts stay on the expert-parallel group's communicator)."""
     value = os.environ.get(COUNT_GROUPS_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{COUNT_GROUPS_ENV}={value!r}: use 1 (the default: the token counts on their own "
                          "communicator) or 0 (on the expert-parallel group's)")
-    if not ACTIVE.expert_parallel:
-        return ""
-    if value == "0":
-        return "; token counts exchanged on the expert-parallel group's communicator"
+    if not ACTIVE.expert_parallel or value == "0":
+        return None
     from .expert_overlap import count_communicators
 
-    twins = count_communicators([stage.submod for stage in stages])
+    return count_communicators([stage.submod for stage in stages])
+
+
+def _count_communicators_note(twins: dict | None) -> str:
+    if twins is None:
+        return "; token counts exchanged on the expert-parallel group's communicator" if ACTIVE.expert_parallel else ""
     if not twins:
         return ""
     return f"; token counts exchanged on their own communicator (expert-parallel ranks {sorted(map(list, twins))})"
