@@ -447,10 +447,15 @@ def test_ci_removes_the_venv_each_stage_made() -> None:
     script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
     stages = re.findall(r"\bstage (\.venv\S*) (.*)$", script, flags=re.MULTILINE)
     assert len(stages) == 2, stages
+    made = set()
     for venv, args in stages:
         words = shlex.split(args)
         options = {words[i][2:]: words[i + 1] for i in range(len(words) - 1) if words[i] in ("--torch", "--torchtitan")}
         assert venv == venv_name(options.get("torch"), options.get("torchtitan")), (venv, args)
+        made.add(venv)
+    # lane 2 creates lane 1's second venv ahead of time: one that a stage uses and removes
+    prepared = re.findall(r"bootstrap\.py --torch (\S+) run\b", script)
+    assert prepared and {venv_name(torch, None) for torch in prepared} <= made, (prepared, made)
 
 
 def test_gpu_kit_dry_run(tmp_path: Path) -> None:
