@@ -35,6 +35,9 @@ PP, EP = 2, 2
 # Process-group timeout of the pool and of the groups below: how long ranks wait for a
 # peer that died (a device mesh's groups would get gloo's default of 30 minutes).
 GROUP_TIMEOUT_S = 20
+# Compiled blocks compile at the first step's shape exchange, a few seconds each, while the peer
+# waits: on a loaded 2-core machine that took more than 20 s. Their pipelines get groups of their own.
+COMPILE_GROUP_TIMEOUT_S = 120
 ARGS = MoEArgs(vocab_size=64, dim=16, n_layers=4, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=32,
                capacity_factor=1.0)
 
@@ -48,11 +51,12 @@ class Topology(NamedTuple):
 
 
 @lru_cache(maxsize=None)
-def topology() -> Topology:
-    """Rank ``r`` is pipeline rank ``r // EP`` and expert-parallel index ``r % EP``."""
+def topology(timeout_s: float = GROUP_TIMEOUT_S) -> Topology:
+    """Rank ``r`` is pipeline rank ``r // EP`` and expert-parallel index ``r % EP``; groups that
+    give up on a silent peer after ``timeout_s`` (made once per timeout, on every rank)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    rank, timeout = dist.get_rank(), timedelta(seconds=GROUP_TIMEOUT_S)
+    rank, timeout = dist.get_rank(), timedelta(seconds=timeout_s)
     ep_groups = [dist.new_group([p * EP + e for e in range(EP)], timeout=timeout) for p in range(PP)]
     pp_groups = [dist.new_group([p * EP + e for p in range(PP)], timeout=timeout) for e in range(EP)]
     pp_rank, ep_index = divmod(rank, EP)
@@ -70,7 +74,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
-    topo = topology()
+    topo = topology(COMPILE_GROUP_TIMEOUT_S if compile_backend else GROUP_TIMEOUT_S)
     place = placement(schedule, PP, n)
     torch.manual_seed(0)
     reference = module_cls(ARGS, activation_checkpoint=checkpoint)
@@ -148,7 +152,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
         runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
                               compile_backend=compile_backend)
     reference = runs[True][0]
-    if compile_backend:  # compiled stages keep their backward whole
+    if compile_backend:  # compiled stages keep their backward whole (the default)
         from torch._dynamo.utils import counters
 
         assert all(r[2].whole_backward_stages == set(r[1]) for r in runs.values())
@@ -157,7 +161,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             for o, r in runs.items()}
     result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0, "fused_pairs": 0,
               "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0,
-              "deferred_expert_gemms": 0}
+              "deferred_expert_gemms": 0, "deferred_linear_gemms": 0}
     for step in range(steps):
         want = []
         for d in range(EP):
@@ -174,6 +178,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
             result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
             result["deferred_expert_gemms"] += sched.weight_queue.ran_kinds["experts"]
+            result["deferred_linear_gemms"] += sched.weight_queue.ran_kinds["linear"]
             raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
             _average_over_data_shards(modules, fsdp)
             result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))

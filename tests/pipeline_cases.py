@@ -410,19 +410,32 @@ def torch_schedule_grad_error(name: str, pp: int, n: int, fsdp: bool) -> float |
 
 
 def compiled_stages_numerics(schedule: str, pp: int, n: int, *, backend: str = "aot_eager", fsdp: bool = False,
-                             compile_reference: bool = True, **kwargs) -> dict | None:
+                             compile_reference: bool = True, weight_gradients: str = "deferred",
+                             **kwargs) -> dict | None:
     """Stages whose blocks are torch.compile'd in place before FSDP (as torchtitan compiles them):
     two steps against the reference compiled the same way (``compile_reference=False``: the
-    eager reference), every rank; their backward runs whole at I, so each compiled graph runs
-    one backward per microbatch."""
+    eager reference), every rank. Each compiled graph runs one backward per microbatch, at I:
+    whole (``weight_gradients="deferred"``, the default, or ``"split"``: torch's split would run
+    a compiled graph twice), or with the blocks' weight GEMMs queued for W
+    (``"deferred_compiled"``). ``gemms_at_w``: the last step's weight GEMMs run at W, by stage."""
+    built = []
 
     def checked_schedule(stages, n_mbs, **schedule_kwargs):
-        sched = SCHEDULES[schedule](stages, n_mbs, **schedule_kwargs)
-        assert sched.whole_backward_stages == {s.stage_index for s in stages}, sched.whole_backward_stages
+        sched = SCHEDULES[schedule](stages, n_mbs, weight_gradients=weight_gradients, **schedule_kwargs)
+        every = {s.stage_index for s in stages}
+        if weight_gradients != "deferred_compiled":
+            assert sched.whole_backward_stages == every, sched.whole_backward_stages
+        else:  # the compiled blocks' linear layers defer like eager ones
+            assert not sched.whole_backward_stages and sched.deferred_weight_stages == every, sched.deferred_weights
+            assert all(any(name.endswith(".w1") for name in names) for names in sched.deferred_weights.values())
+        built.append(sched)
         return sched
 
-    return numerics(schedule, pp, n, fsdp=fsdp, factory=checked_schedule, compile_backend=backend,
-                    compile_reference=compile_reference, **kwargs)
+    result = numerics(schedule, pp, n, fsdp=fsdp, factory=checked_schedule, compile_backend=backend,
+                      compile_reference=compile_reference, **kwargs)
+    if result is not None:
+        result["gemms_at_w"] = dict(built[-1].weight_queue.ran)
+    return result
 
 
 def recorded_step_trace(schedule: str, pp: int, n: int, *, fsdp: bool = False, **schedule_kwargs) -> dict | None:

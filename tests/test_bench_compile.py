@@ -1,6 +1,7 @@
 """``titan-dualpipe bench compile`` at a tiny size (aot_eager): its table's structure, and the
 deterministic part of what it measures, the compiled backward calls per microbatch: one, at I,
-for a compiled stage under our runtime; two (one at I, one at W) under torch's split
+for a compiled stage under our runtime (the whole backward at I, or with its weight GEMMs
+deferred to W); two (one at I, one at W) under torch's split
 (where this torch can split a compiled graph at all)."""
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def test_compiled_stage_runs_one_backward_at_input_and_torch_split_two(capsys):
 
     assert calls("compiled", "full") == {"I": 0, "W": 0, "all": 1}
     assert calls("compiled", "runtime") == {"I": 1, "W": 0, "all": 1}  # whole at I, W a no-op
+    # deferred_compiled: one compiled backward at I; W runs the queued weight GEMMs outside the graph
+    assert calls("compiled", "deferred_compiled") == {"I": 1, "W": 0, "all": 1}
     split = rows[("compiled", "torch split")]
     if "error" in split:  # torch 2.11: its split of a compiled graph fails outright
         assert split["error"].startswith("RuntimeError"), split

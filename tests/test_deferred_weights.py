@@ -35,18 +35,41 @@ def _model(bias: bool, ac: str) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(_Block(bias), _Block(bias))
     if ac != "none":
-        save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-        def policy(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-        context = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)} if ac == "selective" else {}
+        context = _selective_context() if ac == "selective" else {}
         for block in model:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **context)
     return model
 
 
-def _grads(model: nn.Module, x: torch.Tensor, queue: WeightGradQueue | None) -> dict[str, torch.Tensor]:
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Selective AC's policy: keep the matmul outputs, recompute the rest."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> dict:
+    # a partial of module-level functions: what dynamo can trace as a checkpoint's context_fn
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+
+
+class _CheckpointedBlock(_Block):
+    """A block whose forward checkpoints itself: compiled in place, the checkpoint is inside the
+    compiled graph (as torchtitan compiles its checkpoint-wrapped blocks)."""
+
+    def __init__(self, ac: str) -> None:
+        super().__init__(bias=False)
+        self.ac = ac
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.ac == "none":
+            return super().forward(h)
+        context = _selective_context() if self.ac == "selective" else {}
+        return checkpoint(super().forward, h, use_reentrant=False, **context)
+
+
+def _grads(model: nn.Module, x: torch.Tensor, queue: WeightGradQueue | None,
+           compiled: bool = False) -> dict[str, torch.Tensor]:
     x = x.detach().requires_grad_()
     loss = model(x).square().sum()
     if queue is None:
@@ -56,7 +79,11 @@ def _grads(model: nn.Module, x: torch.Tensor, queue: WeightGradQueue | None) -> 
             loss.backward()
         weights = {name for name, _ in model.named_parameters() if name.endswith((".w1.weight", ".w2.weight"))}
         assert len(weights) == 4
-        assert all(p.grad is None for name, p in model.named_parameters() if name in weights)  # waiting for W
+        waiting = [p.grad for name, p in model.named_parameters() if name in weights]
+        if compiled:  # the compiled graph's weight gradient output: zeros until W adds the GEMM
+            assert all(g is not None and not g.any() for g in waiting)
+        else:
+            assert all(g is None for g in waiting)
         assert queue.pending() == {(1, 0): 4}
         assert queue.run((1, 0)) == 4 and queue.ran == {1: 4} and not queue.pending()
     return {"input": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
@@ -84,6 +111,32 @@ def test_deferred_gradients_equal_autograds_bitwise(ac, bias, shape):
         assert torch.equal(at_once[name], want[name]), name
 
 
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_compiled_blocks_defer_their_weight_gemms_through_one_graph(ac):
+    """Blocks compiled in place (``fullgraph``, aot_eager): inside an I their linear layers' weight
+    GEMMs wait for W, outside one they run at once, and one compiled graph per block serves both
+    (the custom operator decides at run time). Deferred and at-once gradients are equal bit for
+    bit (the same GEMM on the same operands), and equal the eager model's to rounding."""
+    from titan_dualpipe.check.numerics import GraphCounter
+
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    want = _grads(_model(False, ac), x, None)
+    torch.manual_seed(0)  # _model's weights
+    model, queue, counter = nn.Sequential(_CheckpointedBlock(ac), _CheckpointedBlock(ac)), WeightGradQueue(), \
+        GraphCounter("aot_eager")
+    assert install(model, queue, compiled=True) == ["0.w1", "0.w2", "1.w1", "1.w2"]
+    for block in model:
+        block.compile(backend=counter, fullgraph=True)
+    at_once = _grads(model, x, None)
+    graphs = counter.graphs
+    model.zero_grad(set_to_none=True)
+    deferred = _grads(model, x, queue, compiled=True)
+    assert graphs == 2 and counter.graphs == graphs  # no recompilation for the deferring backward
+    for name in want:
+        assert torch.equal(deferred[name], at_once[name]), name
+        torch.testing.assert_close(deferred[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_gradients_accumulate_over_microbatches_like_autograds():
     """Two microbatches: the second W adds to the first's gradient (a first one is taken as is)."""
     reference, deferred, queue = _model(True, "none"), _model(True, "none"), WeightGradQueue()
@@ -101,7 +154,8 @@ def test_gradients_accumulate_over_microbatches_like_autograds():
 
 def test_what_is_installed_and_what_is_left_out():
     """Left out: excluded names (pattern or module path), subclasses with a forward of their own,
-    compiled regions; a parametrized (computed) weight still gets its gradient through autograd."""
+    compiled regions (their ``nn.Linear`` modules are in with ``compiled=True``: they defer through
+    the compiled path); a parametrized (computed) weight still gets its gradient through autograd."""
 
     class OwnForward(nn.Linear):
         def forward(self, x):
@@ -112,6 +166,7 @@ def test_what_is_installed_and_what_is_left_out():
     model["compiled"].compile(backend="eager")
     nn.utils.parametrize.register_parametrization(model["param"], "weight", _Doubled())
     assert sorted(deferrable_modules(model)) == ["a", "b.0", "b.1", "param"]
+    assert sorted(deferrable_modules(model, compiled=True)) == ["a", "b.0", "b.1", "compiled", "param"]
     assert sorted(deferrable_modules(model, ["b"])) == ["a", "param"]
     assert sorted(deferrable_modules(model, ["b.*", "a"])) == ["param"]
     queue = WeightGradQueue()
@@ -133,7 +188,7 @@ class _Doubled(nn.Module):
 def test_options_are_checked_before_anything_runs():
     """A bad ``weight_gradients`` or ``not_deferred`` raises a PipelineConfigError (a ValueError) naming
     the value and the choices, before the schedule looks at its stages."""
-    with pytest.raises(PipelineConfigError, match=r"weight_gradients='later': use one of 'deferred', 'split', 'whole'"):
+    with pytest.raises(PipelineConfigError, match=r"weight_gradients='later': use one of 'deferred', 'deferred_compiled', 'split', 'whole'"):
         ScheduleDualPipeV([], 4, weight_gradients="later")
     with pytest.raises(ValueError, match=r"not_deferred='output': pass a list of module names"):
         weight_gradients_problem("deferred", "output")

@@ -225,10 +225,10 @@ def _check_numerics(results: list[dict], schedule: str, n: int, relay: bool = Fa
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     assert all(r["bitwise_tensors"] > 0 for r in results)
     assert all(r["fused_pairs_without_overlap"] == 0 and r["hand_overs_without_overlap"] == 0 for r in results)
-    # expert weight GEMMs waited for W (DualPipe at pp 2 runs I only on its chains' first stages; compiled
+    # weight GEMMs waited for W (DualPipe at pp 2 runs I only on its chains' first stages; compiled
     # stages keep their backward whole)
-    deferred = sum(r["deferred_expert_gemms"] for r in results)
-    assert (deferred > 0) == (schedule == "DualPipeV" and not compiled), results
+    for kind in ("deferred_expert_gemms", "deferred_linear_gemms"):
+        assert (sum(r[kind] for r in results) > 0) == (schedule == "DualPipeV" and not compiled), (kind, results)
     if relay:  # every rank has pairs, and every pair's halves switch at the MoE exchanges
         assert all(r["fused_pairs"] == 0 and r["hand_overs"] > 0 for r in results), results
     else:
@@ -359,9 +359,9 @@ def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoin
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     order = compute_order(schedule, cases.PP, n)
     halves_with_input_action = False
-    for rank, r in enumerate(results):  # 2 steps; FSDP2 stages run a split microbatch's backward whole
+    for rank, r in enumerate(results):  # 2 steps; FSDP2 or not, a lone backward runs on the halves
         split = lone_forwards(order[rank // cases.EP])
-        halved = 2 * (len(split) + (0 if fsdp else len(split - paired_backwards(order[rank // cases.EP]))))
+        halved = 2 * (len(split) + len(split - paired_backwards(order[rank // cases.EP])))
         assert r["split"] == 2 * len(split), results
         inputs = {(a.stage_index, a.microbatch_index) for a in order[rank // cases.EP]
                   if a is not None and a.computation_type == _compat.I and not placement(schedule, cases.PP, n).is_first(a.stage_index)}

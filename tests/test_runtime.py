@@ -445,35 +445,67 @@ COMPILED_LAYOUTS = [(schedule, pp, 2 * pp, overlap) for schedule, pps in (("Dual
                     for pp in pps for overlap in (True, False)]
 
 
+def _stages_with_deferring_inputs(schedule: str, pp: int, n: int, rank: int) -> set[int]:
+    """The stages of pipeline rank ``rank`` with an I whose weight GEMMs wait for a W of their own
+    (a first stage's backward has no input gradient to send first: it runs whole)."""
+    place = placement(schedule, pp, n)
+    return {a.stage_index for a in compute_order(schedule, pp, n)[rank]
+            if a is not None and a.computation_type == _compat.I and not place.is_first(a.stage_index)}
+
+
 @pytest.mark.parametrize("schedule,pp,n,overlap", COMPILED_LAYOUTS)
 def test_compiled_blocks_train_correctly(pool, schedule, pp, n, overlap):
-    """Blocks torch.compile'd in place (torchtitan's way, ``aot_eager``): accepted, their backward
-    whole at I (a compiled backward runs once per graph); losses and gradients equal the
-    reference compiled the same way on every rank."""
-    ran = _ran(pool.run(cases.compiled_stages_numerics, schedule=schedule, pp=pp, n=n, overlap=overlap))
+    """Blocks torch.compile'd in place (torchtitan's way, ``aot_eager``), with
+    ``weight_gradients="deferred_compiled"``: each compiled backward runs once per microbatch, at
+    I, with the blocks' weight GEMMs waiting for W (a custom operator the compiled graph keeps
+    opaque decides at run time); losses and gradients equal the reference compiled the same way
+    on every rank."""
+    ran = _ran(pool.run(cases.compiled_stages_numerics, schedule=schedule, pp=pp, n=n, overlap=overlap,
+                        weight_gradients="deferred_compiled"))
     assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
     assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+    for rank, r in enumerate(ran):
+        assert {s for s, count in r["gemms_at_w"].items() if count} == _stages_with_deferring_inputs(schedule, pp, n, rank), ran
 
 
+@pytest.mark.parametrize("weight_gradients", ["deferred", "split"])
+def test_compiled_blocks_run_whole_at_input_by_default(pool, weight_gradients):
+    """The default (and torch's split, which would run a compiled graph twice): a stage holding
+    compiled blocks runs each backward whole at I and W runs nothing; gradients equal the reference."""
+    ran = _ran(pool.run(cases.compiled_stages_numerics, schedule="DualPipeV", pp=2, n=4,
+                        weight_gradients=weight_gradients))
+    assert len(ran) == 2 and max(r["grad_err"] for r in ran) <= cases.ATOL
+    assert all(not any(r["gemms_at_w"].values()) for r in ran), ran
+
+
+@pytest.mark.parametrize("weight_gradients", ["deferred", "deferred_compiled"])
 @pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
-def test_compiled_blocks_with_fsdp2(pool, schedule):
+def test_compiled_blocks_with_fsdp2(pool, schedule, weight_gradients):
     """Blocks compiled in place, then FSDP2 (torchtitan's order), pp 2 x dp 2: every gradient on
-    every rank equals the compiled reference's."""
-    ran = _ran(pool.run(cases.compiled_stages_numerics, schedule=schedule, pp=2, n=4, fsdp=True))
+    every rank equals the compiled reference's, whole at I or with the compiled blocks' weight
+    GEMMs run at W (added to the gathered weights)."""
+    ran = _ran(pool.run(cases.compiled_stages_numerics, schedule=schedule, pp=2, n=4, fsdp=True,
+                        weight_gradients=weight_gradients))
     assert len(ran) == WORLD and max(r["grad_err"] for r in ran) <= cases.ATOL
+    for rank, r in enumerate(ran):  # mesh (pp, dp): pipeline rank rank // 2
+        want = _stages_with_deferring_inputs(schedule, 2, 4, rank // (WORLD // 2)) if weight_gradients != "deferred" else set()
+        assert {s for s, count in r["gemms_at_w"].items() if count} == want, ran
 
 
 @pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
 @pytest.mark.parametrize("compile_reference", [True, False], ids=["compiled-reference", "eager-reference"])
 def test_inductor_compiled_blocks_match_both_references(pool, schedule, compile_reference):
-    """Inductor-compiled blocks against the reference compiled the same way and against the eager
-    reference, both at the suite's tolerance (rtol 1e-5, atol 4e-5). Inductor fuses and reorders
-    fp32 reductions: each reordered sum of K terms moves by at most about K ulp (K <= 64 here,
-    so under 1e-5 relative); measured: largest gradient difference about 1e-8. Two ranks (FSDP2
-    with compiled blocks runs above with aot_eager): inductor's first C++ build is the cost here."""
+    """Inductor-compiled blocks (their weight GEMMs deferred to W: ``"deferred_compiled"``) against
+    the reference compiled the same way and against the eager reference, both at the suite's
+    tolerance (rtol 1e-5, atol 4e-5). Inductor fuses and reorders fp32 reductions: each reordered
+    sum of K terms moves by at most about K ulp (K <= 64 here, so under 1e-5 relative); measured:
+    largest gradient difference about 1e-8. Two ranks (FSDP2 with compiled blocks runs above with
+    aot_eager): inductor's first C++ build is the cost here."""
     ran = _ran(pool.run(cases.compiled_stages_numerics, schedule=schedule, pp=2, n=4, backend="inductor",
-                        compile_reference=compile_reference))
+                        compile_reference=compile_reference, weight_gradients="deferred_compiled"))
     assert len(ran) == 2 and max(r["grad_err"] for r in ran) <= cases.ATOL
+    for rank, r in enumerate(ran):  # inductor's graphs defer through the operator too
+        assert {s for s, count in r["gemms_at_w"].items() if count} == _stages_with_deferring_inputs(schedule, 2, 4, rank), ran
 
 
 @pytest.mark.parametrize("schedule,pp,n,fsdp", [

@@ -32,7 +32,7 @@ import pytest
 
 from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
 from titan_dualpipe.orders import compute_order
-from titan_dualpipe.orders.two_batch import lone_forwards
+from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.switches import (FOLD_ENV, NOT_DEFERRED_ENV, TEST_KILL_ENV, TEST_PROBE_ENV, TWO_BATCH_ENV,
                                      WEIGHT_GRADIENTS_ENV)
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
@@ -413,7 +413,7 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     recomputes each block's exchanges), microbatches of 2 rows: it trains, every rank's pairs
     switch halves at torchtitan's expert-parallel all-to-all, and with two-batch overlap on
     (``TITAN_DUALPIPE_TWO_BATCH=1``) the lone forwards of its MoE stages run as two relayed halves
-    that switch there too. The run without it (the default) logs the same losses and grad norms
+    that switch there too, and so do their lone backwards, under FSDP2. The run without it (the default) logs the same losses and grad norms
     (a split microbatch's weight gradients are sums of two half-batch gradients: summation order)."""
     steps = 3
     two_rows = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
@@ -433,8 +433,11 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
         assert probe["relayed"]["hand_overs"] > 0, probe["relayed"]
         # every stage holding a MoE layer (stage 0 holds the dense first layer only)
         assert probe["two_batch_stages"] == ([3] if rank < 2 else [1, 2]), probe
-        split = [key for key in lone_forwards(order[rank // 2]) if key[0] in probe["two_batch_stages"]]
+        split = {key for key in lone_forwards(order[rank // 2]) if key[0] in probe["two_batch_stages"]}
         assert probe["halves"]["microbatches"] == len(split) * steps and probe["halves"]["hand_overs"] > 0, probe
+        # under FSDP2 too, a lone backward of a split microbatch runs its halves apart (a relay each)
+        lone_backwards = split - paired_backwards(order[rank // 2])
+        assert probe["halves"]["relays"] == (len(split) + len(lone_backwards)) * steps, probe
         # deferred weight GEMMs under full AC: torchtitan's routed experts and linear layers waited for W
         assert any(name.endswith("experts") for names in probe["deferred_weights"].values() for name in names), probe
         assert probe["deferred_last_step"].get("experts", 0) > 0 and probe["deferred_last_step"]["linear"] > 0, probe
@@ -596,7 +599,7 @@ COMPILED_BLOCKS_LOG = "Compiling each TransformerBlock with torch.compile"
 # still catches a wrong gradient: a W that ran the compiled backward twice, or a microbatch's backward
 # lost, moves step 2's loss by more than 1e-2 relative.
 COMPILE_TOLERANCE = 1e-4
-# DualPipeV: the compiled blocks alone; DualPipe: with memory-budget AC, torch.compile's partitioner
+# DualPipeV: the compiled blocks alone, their weight GEMMs deferred ("deferred_compiled"); DualPipe: with memory-budget AC, torch.compile's partitioner
 # choosing what to recompute inside them (two runs instead of three keep CI's added time small).
 COMPILE_RUNS = {"DualPipeV": (), "DualPipe": MEMORY_BUDGET_AC[0]}
 
@@ -614,14 +617,23 @@ def inductor_cache(runs_dir: Path) -> dict[str, str]:
 def test_compiled_model_trains_with_the_losses_of_the_eager_run(runs_dir: Path, request: pytest.FixtureRequest,
                                                                  inductor_cache: dict[str, str], schedule: str) -> None:
     """torchtitan's compiled blocks (each compiled in place, fullgraph, inductor) under our schedules:
-    each microbatch's backward of a compiled stage runs whole at I (a split one would stop at W:
-    pytorch#161904), giving the eager run's losses and grad norms (DualPipe with memory-budget AC)."""
+    each microbatch's compiled backward runs once, at I (a split graph would stop at W:
+    pytorch#161904): whole (DualPipe, the default, with memory-budget AC) or with the blocks'
+    linear layers leaving their weight GEMMs to W (DualPipeV, ``deferred_compiled``), giving the
+    eager run's losses and grad norms."""
     name = "debug_dualpipev" if schedule == "DualPipeV" else "debug_dualpipe"
     reference = request.getfixturevalue("dualpipev_run" if schedule == "DualPipeV" else "dualpipe_run")
+    deferring = schedule == "DualPipeV"
+    env = {**inductor_cache, **({WEIGHT_GRADIENTS_ENV: "deferred_compiled"} if deferring else {})}
     run = _ok(train(name, runs_dir / f"compiled_{name}", *COMPILE, *COMPILE_RUNS[schedule], steps=AC_STEPS,
-                    env=inductor_cache))
+                    env=env, probe=True))
     assert COMPILED_BLOCKS_LOG in run.output
     assert ("budget option" in run.output) is bool(COMPILE_RUNS[schedule])
+    # W ran the compiled blocks' weight GEMMs on both ranks (rank 1 holds blocks only), or none: on
+    # 0.3.0 each layer's forward is wrapped on the instance, and wrapped layers keep their GEMMs in
+    # the compiled backward
+    ran = [run.probe(rank)["deferred_last_step"].get("linear", 0) for rank in (0, 1)]
+    assert all(ran) if deferring and not REGISTRY else not any(ran), ran
     steps = range(1, AC_STEPS + 1)
     _assert_close(run.losses(), {s: reference.losses()[s] for s in steps}, rel=COMPILE_TOLERANCE)
     _assert_close(run.grad_norms(), {s: reference.grad_norms()[s] for s in steps}, rel=COMPILE_TOLERANCE)
@@ -976,6 +988,7 @@ WEIGHT_GRADIENT_CASES = [
     (None, "split", "output, layers.*.moe.*", ("split", ["output", "layers.*.moe.*"])),
     ("whole", None, None, ("whole", [])),
     ("whole", "deferred", "output", ("deferred", ["output"])),
+    (None, "deferred_compiled", None, ("deferred_compiled", [])),
 ]
 
 
@@ -994,7 +1007,7 @@ def test_weight_gradient_switches_reach_the_schedule_built(field, env, names, ex
     built = _built_with(monkeypatch, *(["--dualpipe.weight-gradients", field] if field else []))
     assert (built.kwargs["weight_gradients"], built.kwargs["not_deferred"]) == expected
     monkeypatch.setenv(WEIGHT_GRADIENTS_ENV, "later")
-    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GRADIENTS='later': use one of deferred, split, whole"):
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GRADIENTS='later': use one of deferred, deferred_compiled, split, whole"):
         _built_with(monkeypatch)
 
 

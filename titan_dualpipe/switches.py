@@ -7,7 +7,7 @@ switches from here (``tests/test_docs.py`` checks that importing it imports no t
 # torchtitan training (:mod:`titan_dualpipe.titan`), both releases
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold); unset or "1": folded into FSDP
 TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
-WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "split" or "whole"
+WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "deferred_compiled", "split" or "whole"
 NOT_DEFERRED_ENV = "TITAN_DUALPIPE_NOT_DEFERRED"  # comma-separated module names / fnmatch patterns kept out of deferral
 COUNT_GROUPS_ENV = "TITAN_DUALPIPE_COUNT_GROUPS"  # "0": token counts on the expert-parallel group's communicator; unset or "1": their own
 

@@ -1,14 +1,20 @@
 """``titan-dualpipe bench compile``: what a torch.compile'd stage's backward costs split into I and W.
 
-Our schedules run a compiled stage's backward whole at its I and make its W a no-op
-(``runtime/split_backward.py``): torch's split of a compiled graph (``stage_backward_input``,
-then ``stage_backward_weight``, possible only with ``donated_buffer = False``) runs the
-compiled backward a second time. Per microbatch of one stage of ``--blocks`` blocks:
+Our schedules run a compiled stage's backward whole at its I and make its W a no-op by default
+(``runtime/split_backward.py``); with ``weight_gradients="deferred_compiled"`` the compiled
+backward runs once at I with the blocks' weight GEMMs queued for W (``runtime/deferred_weights.py``:
+a custom operator the compiled graph keeps opaque). torch's split of a compiled graph
+(``stage_backward_input``, then ``stage_backward_weight``, possible only with
+``donated_buffer = False``) runs the compiled backward a second time. Per microbatch of one
+stage of ``--blocks`` blocks:
 
 - ``full``: a plain full backward of the stage (``loss.backward()``);
-- ``runtime``: I and W as our runtime runs them, read from the recorded timeline of a
+- ``runtime``: I and W as our runtime runs them by default, read from the recorded timeline of a
   one-process ``ScheduleDualPipeV`` (stage 0 an eager linear layer, stage 1 the blocks) whose
-  order runs ``1I`` and ``1W`` once per microbatch;
+  order runs ``1I`` and ``1W`` once per microbatch (compiled: whole at I; eager: deferred GEMMs);
+- ``deferred_compiled``: the same pipeline with ``weight_gradients="deferred_compiled"``, on a
+  copy of the stage (compiled: one compiled backward at I, its weight GEMMs at W; eager: the
+  runtime's default again);
 - ``torch split``: ``stage_backward_input`` then ``stage_backward_weight`` on the stage (for the
   compiled kind, on a copy compiled and run with ``donated_buffer = False``, restored after).
 
@@ -46,13 +52,13 @@ MODELS = ("mlp", "tinylm")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("inductor", "aot_eager")
 KINDS = ("compiled", "eager")
-VARIANTS = ("full", "runtime", "torch split")
+VARIANTS = ("full", "runtime", "deferred_compiled", "torch split")
 Key = tuple[str, str]  # (kind, variant)
 Sample = tuple[float, float, float]  # seconds per microbatch: (I + W, or the full backward; I; W)
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("compile", help="a compiled stage's backward: whole at I (ours) vs torch's I/W split",
+    p = kinds.add_parser("compile", help="a compiled stage's backward: whole at I (ours), its weight GEMMs deferred, torch's I/W split",
                          description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="mlp", help=f"block kind: {' or '.join(MODELS)} (TinyLM's attention + MLP)")
     p.add_argument("--blocks", type=int, default=4, help="blocks in the measured stage")
@@ -135,7 +141,8 @@ def _io_order(n: int) -> dict[int, list]:
     return {0: actions}
 
 
-def _io_pipeline(head: nn.Module, stage: nn.Module, n: int, device: torch.device = torch.device("cpu")) -> Any:
+def _io_pipeline(head: nn.Module, stage: nn.Module, n: int, device: torch.device = torch.device("cpu"),
+                 weight_gradients: str = "deferred") -> Any:
     """Our one-rank ``ScheduleDualPipeV`` over ``head`` (stage 0) and ``stage`` (stage 1), recording
     its timeline and running :func:`_io_order`: every microbatch's I and W of stage 1 are actions."""
     from torch.distributed.pipelining import PipelineStage
@@ -143,7 +150,8 @@ def _io_pipeline(head: nn.Module, stage: nn.Module, n: int, device: torch.device
     from .. import ScheduleDualPipeV
 
     stages = [PipelineStage(head, 0, 2, device), PipelineStage(stage, 1, 2, device)]
-    pipeline = ScheduleDualPipeV(stages, n, loss_fn=_loss, record_timeline=True, overlap=False)
+    pipeline = ScheduleDualPipeV(stages, n, loss_fn=_loss, record_timeline=True, overlap=False,
+                                 weight_gradients=weight_gradients)
     pipeline.pipeline_order = _io_order(n)
     pipeline._prepare_schedule_with_comms(pipeline.pipeline_order)  # our own lowering of an order
     return pipeline
@@ -158,15 +166,19 @@ class _Kind:
         self.batch, self.target = batch.to(self.device), target.to(self.device)
         compiled = kind == "compiled"
         self.stage = _blocks(cfg).to(self.device)
-        self.split_copy = copy.deepcopy(self.stage)
+        self.split_copy, self.deferring_copy = copy.deepcopy(self.stage), copy.deepcopy(self.stage)
         self.split_scope = donated_buffers_off if compiled else contextlib.nullcontext
         if compiled:
             compile_blocks(self.stage, cfg["backend"])
+            compile_blocks(self.deferring_copy, cfg["backend"])
             with self.split_scope():
                 compile_blocks(self.split_copy, cfg["backend"])
         torch.manual_seed(1)
         self.head = nn.Linear(cfg["dim"], cfg["dim"]).to(self.device)  # stage 0: eager, so stage 1's input needs a gradient
         self.pipeline = _io_pipeline(self.head, self.stage, self.n, self.device)
+        self.deferring_head = copy.deepcopy(self.head)
+        self.deferring_pipeline = _io_pipeline(self.deferring_head, self.deferring_copy, self.n, self.device,
+                                               weight_gradients="deferred_compiled")
 
     def _microbatches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         rows = self.batch.shape[0] // self.n
@@ -185,16 +197,17 @@ class _Kind:
             spans.append((start, clock.mark()))
         return sum(end - start for start, end in span_seconds(clock, spans)) / self.n, 0.0, 0.0
 
-    def runtime(self) -> Sample:
+    def runtime(self, deferring: bool = False) -> Sample:
         """Mean seconds per microbatch of stage 1's I and W actions in one pipeline step: (I + W, I, W)."""
         from .._compat import I, W
 
-        for module in (self.stage, self.head):
+        pipeline = self.deferring_pipeline if deferring else self.pipeline
+        for module in ((self.deferring_copy, self.deferring_head) if deferring else (self.stage, self.head)):
             module.zero_grad(set_to_none=True)
         batch = self.batch.detach()  # stage 0 takes it; stage 1's input gets its gradient from stage 0
-        self.pipeline.step(batch, target=self.target)
+        pipeline.step(batch, target=self.target)
         spent = {I: 0.0, W: 0.0}
-        for event in self.pipeline.collect_timeline():
+        for event in pipeline.collect_timeline():
             if event.action.stage_index == 1 and event.action.computation_type in spent:
                 spent[event.action.computation_type] += event.end - event.start
         i, w = spent[I] / self.n, spent[W] / self.n
@@ -222,7 +235,8 @@ class _Kind:
         return (i + w) / self.n, i / self.n, w / self.n
 
     def variant(self, name: str) -> Callable[[], Sample]:
-        return {"full": self.full, "runtime": self.runtime, "torch split": self.torch_split}[name]
+        return {"full": self.full, "runtime": self.runtime, "deferred_compiled": lambda: self.runtime(deferring=True),
+                "torch split": self.torch_split}[name]
 
 
 SPLIT_RANGES = {"I": "split:I", "W": "split:W"}  # profiler ranges around torch's split halves
@@ -334,18 +348,20 @@ def print_table(result: dict) -> None:
           f"dim {cfg['dim']}, "
           f"{cfg['tokens']} tokens (seq {cfg['seq']}) per microbatch, {cfg['threads']} thread(s); per microbatch, "
           f"medians of {cfg['rounds']} paired rounds x {cfg['microbatches']} microbatches")
-    print(f"{'variant':<22}{'full s':>9}{'I s':>9}{'W s':>9}{'(I+W)/full':>12}{'compiled bwd at I/W':>21}")
+    print(f"{'variant':<28}{'full s':>9}{'I s':>9}{'W s':>9}{'(I+W)/full':>12}{'compiled bwd at I/W':>21}")
     for row in result["rows"]:
         if row["variant"] == "full":
             continue
         name = f"{row['kind']} {row['variant']}"
         if "error" in row:
-            print(f"{name:<22}{_fmt(row['full_s']):>9}  cannot run here: {row['error'][:100]}")
+            print(f"{name:<28}{_fmt(row['full_s']):>9}  cannot run here: {row['error'][:100]}")
             continue
         calls = row["compiled_backwards_per_microbatch_and_block"]
-        print(f"{name:<22}{_fmt(row['full_s']):>9}{_fmt(row['I_s']):>9}"
+        print(f"{name:<28}{_fmt(row['full_s']):>9}{_fmt(row['I_s']):>9}"
               f"{_fmt(row['W_s']):>9}{row['ratio_to_full']:>11.3f}x{calls['I']:>17g} / {calls['W']:g}")
     print("full s: the same kind's plain full backward. runtime: stage 1's I and W actions in our runtime's "
-          "timeline (a compiled stage: whole backward at I, W a no-op; an eager one: torch's split). torch split: "
+          "timeline (a compiled stage: whole backward at I, W a no-op; an eager one: weight GEMMs deferred to W); "
+          "deferred_compiled: the same with weight_gradients=\"deferred_compiled\" (compiled: one compiled backward "
+          "at I, the weight GEMMs at W). torch split: "
           "stage_backward_input + stage_backward_weight (compiled: donated_buffer=False). (I+W)/full: median of "
           "per-round ratios. compiled bwd at I/W: compiled backward calls per microbatch and block.")

@@ -17,17 +17,28 @@ to ``W``. The schedule installs this on its stage modules (:func:`install`): eac
 whose class keeps ``nn.Linear.forward`` gets a subclass whose forward routes through
 :class:`_DeferrableLinear`; parameters, state dicts and hooks are untouched.
 
-Not deferred: modules inside a ``torch.compile``'d region (a compiled backward bakes in
-whether it defers, so those stages keep their whole backward at ``I``), subclasses with a
-forward of their own, and modules left out by name.
+Inside a ``torch.compile``'d region (``weight_gradients="deferred_compiled"``; under
+``"deferred"`` a stage holding compiled modules runs its backward whole at ``I``) an
+``nn.Linear`` defers through :class:`_CompiledDeferrableLinear`: its backward is traced into the
+compiled graph, with the weight GEMM as a custom operator (``titan_dualpipe::linear_weight_gemm``)
+that the graph keeps opaque. The operator decides when it runs: inside an ``I`` it queues the
+GEMM (on copies of its operands, since the compiled graph may reuse their buffers after the
+call) and returns zeros, which autograd adds to the gradient; elsewhere it computes the GEMM.
+So one compiled graph serves both, without recompiling.
+
+Not deferred: expert modules, DTensor weights (the operator has no sharding rule) and modules
+whose forward is wrapped on the instance inside a compiled region (their GEMMs run in the
+compiled backward at ``I``), subclasses with a forward of their own, and modules left out by name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import itertools
 import threading
 import types
+import weakref
 from collections import Counter
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-WEIGHT_GRADIENT_MODES = ("deferred", "split", "whole")
+WEIGHT_GRADIENT_MODES = ("deferred", "deferred_compiled", "split", "whole")
+DEFERRING_MODES = ("deferred", "deferred_compiled")  # the modes that install deferred GEMMs
 Key = tuple[int, int]  # (stage index, microbatch)
 
 
@@ -179,19 +191,84 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+_linears_by_key: dict[int, "weakref.ref[nn.Module]"] = {}  # installed nn.Linear modules, for compiled graphs
+_linear_keys = itertools.count()
+
+
+def _linear_of(key: int) -> nn.Module | None:
+    ref = _linears_by_key.get(key)
+    return ref() if ref is not None else None
+
+
+@torch.library.custom_op("titan_dualpipe::linear_weight_gemm", mutates_args=())
+def _linear_weight_gemm(grad_2d: torch.Tensor, input_2d: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    """``dW = dY^T X`` of installed ``nn.Linear`` ``key`` in a compiled backward; inside an ``I``,
+    queued for ``W`` (zeros returned: autograd adds them to the gradient, ``W`` adds the GEMM)."""
+    module = _linear_of(key)
+    queue = getattr(module, "_weight_grad_queue", None)
+    if queue is not None and queue.target is not None:
+        parameter = module.weight  # the tensor autograd accumulates into (FSDP2: the gathered one)
+        if parameter.data_ptr() == weight.data_ptr() and parameter.shape == weight.shape:
+            # the compiled graph may reuse these buffers once the call returns: hold copies
+            grad_held, input_held = grad_2d.clone(), input_2d.clone()
+            gemm = lambda: grad_held.t().mm(input_held)  # noqa: E731
+            if queue.defer_to_operand(parameter, gemm, holds=(grad_held, input_held)):
+                return torch.zeros_like(weight)
+    return grad_2d.t().mm(input_2d)
+
+
+@_linear_weight_gemm.register_fake
+def _(grad_2d: torch.Tensor, input_2d: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    return weight.new_empty(weight.shape)
+
+
+class _CompiledDeferrableLinear(torch.autograd.Function):
+    """``F.linear`` for a compiled region: the input GEMM is traced as usual, the weight GEMM is
+    :func:`_linear_weight_gemm`, which decides at run time whether it waits for ``W``."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.key = key
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_input = grad_2d.mm(weight).view(input.shape) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            input_2d = input.reshape(-1, input.shape[-1])
+            grad_weight = torch.ops.titan_dualpipe.linear_weight_gemm(grad_2d, input_2d, weight, ctx.key)
+        return grad_input, grad_weight, grad_bias, None
+
+
 class _DeferrableLinearForward:
     """The forward of an installed ``nn.Linear`` (mixed in ahead of its class)."""
 
     _weight_grad_queue: WeightGradQueue
+    _deferral_key: int
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         # A weight computed from others (a parametrization) gets its gradient through autograd;
         # an uninstalled module reaches here through a wrapper bound while it was installed.
         if (not torch.is_grad_enabled() or not weight.requires_grad or not weight.is_leaf
-                or torch.compiler.is_compiling() or not isinstance(self, _DeferrableLinearForward)):
+                or not isinstance(self, _DeferrableLinearForward)):
             return F.linear(input, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            if _is_dtensor(weight):  # no sharding rule for the operator: the GEMM stays in the graph
+                return F.linear(input, self.weight, self.bias)
+            return _CompiledDeferrableLinear.apply(input, self.weight, self.bias, self._deferral_key)
         return _DeferrableLinear.apply(input, self.weight, self.bias, self._weight_grad_queue)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 class _DeferringLinearCalls(TorchFunctionMode):
@@ -265,31 +342,35 @@ def _excluded(name: str, exclude: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".") for pattern in exclude)
 
 
-def deferrable_modules(module: nn.Module, exclude: Iterable[str] = ()) -> dict[str, nn.Module]:
+def deferrable_modules(module: nn.Module, exclude: Iterable[str] = (), compiled: bool = False) -> dict[str, nn.Module]:
     """The modules of ``module`` whose weight GEMMs can wait for ``W``, by qualified name: plain
     ``nn.Linear`` modules and registered expert modules (:func:`register_expert_class`).
 
     Left out: names matching an ``exclude`` pattern (``fnmatch``, or a module path prefix),
-    modules inside a compiled region, and ``nn.Linear`` subclasses with a forward of their own."""
+    modules inside a compiled region (``compiled=True``: only its expert modules), and
+    ``nn.Linear`` subclasses with a forward of their own."""
     from .split_backward import compiled_modules  # split_backward imports this module
 
     exclude = list(exclude)
-    compiled = ["" if name == "<stage module>" else name for name in compiled_modules(module)]
+    regions = ["" if name == "<stage module>" else name for name in compiled_modules(module)]
     found: dict[str, nn.Module] = {}
     for name, child in module.named_modules():
-        if _mixin_for(child) is None or _excluded(name, exclude):
+        mixin = _mixin_for(child)
+        if mixin is None or _excluded(name, exclude):
             continue
-        if any(prefix == "" or name == prefix or name.startswith(prefix + ".") for prefix in compiled):
+        in_compiled = any(prefix == "" or name == prefix or name.startswith(prefix + ".") for prefix in regions)
+        if in_compiled and (not compiled or mixin is not _DeferrableLinearForward):
             continue
         found[name] = child
     return found
 
 
-def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = ()) -> list[str]:
-    """Route ``module``'s deferrable modules through ``queue``; their names.
+def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = (), compiled: bool = False) -> list[str]:
+    """Route ``module``'s deferrable modules through ``queue`` (``compiled``: the ``nn.Linear``
+    modules inside compiled regions too); their names.
 
     Installing again (a new schedule over the same modules) points them at the new queue."""
-    modules = deferrable_modules(module, exclude)
+    modules = deferrable_modules(module, exclude, compiled)
     for child in modules.values():
         mixin = _mixin_for(child)
         if not isinstance(child, mixin):
@@ -298,6 +379,9 @@ def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = 
                 child._forward_before_deferral = child.forward
                 child.forward = types.MethodType(_deferring_instance_forward, child)
         child._weight_grad_queue = queue
+        if mixin is _DeferrableLinearForward and _linear_of(getattr(child, "_deferral_key", -1)) is not child:
+            key = child._deferral_key = next(_linear_keys)  # compiled graphs name the module by it (a copy gets its own)
+            _linears_by_key[key] = weakref.ref(child, lambda _, key=key: _linears_by_key.pop(key, None))
     return list(modules)
 
 
@@ -322,6 +406,8 @@ def uninstall(module: nn.Module) -> None:
         if isinstance(child, (_DeferrableLinearForward, _DeferrableExpertsForward)):
             child.__class__ = type(child)._original_class
             del child._weight_grad_queue
+            if "_deferral_key" in vars(child):
+                _linears_by_key.pop(child.__dict__.pop("_deferral_key"), None)
             if "_forward_before_deferral" in vars(child):
                 child.forward = child._forward_before_deferral
                 del child._forward_before_deferral

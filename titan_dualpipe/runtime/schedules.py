@@ -47,7 +47,7 @@ from .p2p import local_tensor, swap, with_layout_of
 from .two_batch import two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
-from .deferred_weights import WeightGradQueue, install, uninstall, weight_gradients_problem
+from .deferred_weights import DEFERRING_MODES, WeightGradQueue, install, uninstall, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
@@ -81,7 +81,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       queued for ``W`` (:mod:`titan_dualpipe.runtime.deferred_weights`; activation-checkpointed
       regions recompute once); ``"split"``: torch's split of the graph (a checkpointed
       microbatch then runs whole at ``I``); ``"whole"``: every backward whole at ``I``, ``W``
-      a no-op. Stages holding compiled blocks run whole at ``I`` under every mode.
+      a no-op. A stage holding compiled blocks runs whole at ``I`` (torch's split would run a
+      compiled graph twice), except under ``"deferred_compiled"``: ``"deferred"`` with the
+      ``nn.Linear`` modules inside compiled regions deferring too, through a custom operator
+      (docs/compile.md: measured slower on CPU than whole at ``I``).
     - ``not_deferred``: module names (``fnmatch`` patterns or module paths inside a stage module)
       whose weight GEMMs are not deferred; ``deferred_weights[stage_index]`` lists those that are.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
@@ -166,9 +169,6 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.pair_runner: PairRunner = pair_runner(overlap)
         self.two_batch_stages = split_stages
         self.fsdp_at_step_edges = self._folds_twins()
-        # stages whose backward a static rule keeps whole at I (W a no-op); forwards that run
-        # activation-checkpoint regions add their microbatches step by step (runtime/split_backward.py)
-        self.whole_backward_stages = {s.stage_index for s in self._stages if whole_backward_reason(s.submod)}
         self.whole_backwards: set[tuple[int, int]] = set()
 
     def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str]) -> None:
@@ -176,14 +176,21 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.weight_gradients = mode
         self.weight_queue = WeightGradQueue()
         self.deferred_weights: dict[int, list[str]] = {}
+        compiled = mode == "deferred_compiled"
         for stage in self._stages:
             module = stage.submod
-            if mode == "deferred" and stage.stage_index not in self.whole_backward_stages:
-                if not isinstance(module, DistributedDataParallel):  # DDP reduces in autograd's hooks
-                    self.deferred_weights[stage.stage_index] = install(module, self.weight_queue, not_deferred)
+            deferring = (mode in DEFERRING_MODES and not isinstance(module, DistributedDataParallel)  # DDP reduces in autograd's hooks
+                         and (compiled or not whole_backward_reason(module)))
+            if deferring:
+                self.deferred_weights[stage.stage_index] = install(module, self.weight_queue, not_deferred, compiled)
             else:
                 uninstall(module)
         self.deferred_weight_stages = frozenset(self.deferred_weights)
+        # Stages whose backward a static rule keeps whole at I (W a no-op): torch.compile'd modules,
+        # unless they defer ("deferred_compiled": one compiled backward at I). Forwards that run
+        # activation-checkpoint regions add their microbatches step by step (runtime/split_backward.py).
+        self.whole_backward_stages = {s.stage_index for s in self._stages
+                                      if s.stage_index not in self.deferred_weight_stages and whole_backward_reason(s.submod)}
 
     def _folds_twins(self) -> bool:
         """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""

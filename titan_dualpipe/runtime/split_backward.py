@@ -2,8 +2,9 @@
 
 Under the schedules' default, ``weight_gradients="deferred"``, an I runs one backward with the
 weight GEMMs queued for W (:mod:`.deferred_weights`), whatever regions the forward ran; only
-stages kept whole by a static rule (compiled blocks, below) run whole. The rest of this
-docstring is about ``weight_gradients="split"``, torch's split of the graph.
+stages kept whole by a static rule (compiled blocks, below) run whole, unless their compiled
+blocks defer too (``"deferred_compiled"``). The rest of this docstring is about
+``weight_gradients="split"``, torch's split of the graph.
 
 torch's split backward runs autograd twice through a microbatch's graph: I with ``retain_graph``,
 then W. Some regions cannot be run twice, or pay twice when they are:

@@ -253,7 +253,9 @@ def weight_gradient_options() -> dict[str, Any]:
 
 
 def _weight_gradients_note(schedule: Any) -> str:
-    if schedule.weight_gradients != "deferred":
+    from ..runtime.deferred_weights import DEFERRING_MODES
+
+    if schedule.weight_gradients not in DEFERRING_MODES:
         return f"; weight gradients: {schedule.weight_gradients}"
     count = sum(len(names) for names in schedule.deferred_weights.values())
     return f"; {count} weight GEMMs per microbatch wait for W (deferred weight gradients)"

@@ -42,8 +42,10 @@ class DualPipeOptions:
 
     weight_gradients: str = "deferred"
     """How an I leaves the weight gradient to its W: "deferred" (one backward at I, the weight
-    GEMMs queued for W; activation-checkpointed blocks recompute once), "split" (torch's split of
-    the graph; checkpointed microbatches run whole at I) or "whole" (every backward whole at I).
+    GEMMs queued for W; activation-checkpointed blocks recompute once; compiled blocks run whole at
+    I), "deferred_compiled" (the same, the linear layers of compiled blocks deferring too), "split"
+    (torch's split of the graph; checkpointed microbatches run whole at I) or "whole" (every
+    backward whole at I).
     ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` overrides it (and sets it on torchtitan 0.2.2)."""
 
     not_deferred: list[str] = field(default_factory=list)
