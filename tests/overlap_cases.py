@@ -74,7 +74,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
-    topo = topology(COMPILE_GROUP_TIMEOUT_S if compile_backend else GROUP_TIMEOUT_S)
+    topo = topology(COMPILE_GROUP_TIMEOUT_S) if compile_backend else topology()  # topology() is the others' key
     place = placement(schedule, PP, n)
     torch.manual_seed(0)
     reference = module_cls(ARGS, activation_checkpoint=checkpoint)
