@@ -313,39 +313,6 @@ def fsdp_reshard_after_forward(group: Any) -> None:
         group._training_state = TrainingState.IDLE
 
 
-@contextlib.contextmanager
-def fsdp_one_backward(modules: list[Any], output_owner: Any | None) -> Iterator[None]:
-    """Several autograd backward calls inside the block (a split microbatch's halves, each from
-    its own outputs) that FSDP2 takes as one backward of the stage module:
-
-    - ``output_owner``'s pre-backward runs once first: FSDP2 hooks it on the owner's forward
-      output (the joined halves), which backward calls from the halves' outputs never reach;
-    - FSDP2's root post-backward callback runs once, after all of them. FSDP2 queues it on the
-      graph task of the first backward that reaches a hook; there it would end every group's
-      backward (post-backward, state reset) before the other half's gradients arrived.
-
-    ``modules``: the stage's FSDP2 modules (their states share one context per root)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    states = [module._get_fsdp_state() for module in modules]
-    roots = list({id(state._state_ctx): state for state in states}.values())
-    held = [state for state in roots if not state._state_ctx.post_backward_final_callback_queued]
-    for state in held:  # FSDP2 queues no callback while this is set
-        state._state_ctx.post_backward_final_callback_queued = True
-    try:
-        if output_owner is not None:
-            owner = output_owner._get_fsdp_state()
-            if owner._training_state != TrainingState.PRE_BACKWARD:
-                owner._pre_backward(None)
-        yield
-    except BaseException:
-        for state in held:
-            state._state_ctx.post_backward_final_callback_queued = False
-        raise
-    for state in held:
-        state._root_post_backward_final_callback()  # clears the flag
-
-
 def default_store() -> dist.Store:
     """The default process group's key-value store."""
     return dist.distributed_c10d._get_default_store()
@@ -670,7 +637,6 @@ __all__ = [
     "donated_buffers_off",
     "fsdp_data_parallel_sizes",
     "fsdp_gradient_divide_factors",
-    "fsdp_one_backward",
     "fsdp_post_forward_decided",
     "fsdp_reshard_after_forward",
     "fsdp_shard_group_ranks",

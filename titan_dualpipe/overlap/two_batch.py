@@ -19,13 +19,13 @@ How the halves run:
   together, through the concatenation, as an unsplit microbatch does.
 
 The microbatch's backward runs on the two halves when it has no partner either (``B``, ``I``,
-a first stage's deferred ``W``); the backward of a pair runs through both halves at once. Either
+a first stage's deferred ``W``); the backward of a pair, and any backward of a stage under
+FSDP2 (whose hooks sit on the whole stage output), runs through both halves at once. Either
 way its input and weight gradients come in one backward: a split microbatch's ``I`` runs its
 whole backward and its ``W`` nothing (as for compiled stages, ``runtime/split_backward.py``).
 Under FSDP2 the halves share each module call's all-gather
 (:func:`~titan_dualpipe.runtime.fsdp.gathered_for_both_halves`): a split microbatch posts as
-many all-gathers as the whole one. Their backward calls run apart as under no FSDP: FSDP2 takes
-them as one backward of the stage (:func:`~titan_dualpipe.runtime.fsdp.one_backward_for_both_halves`).
+many all-gathers as the whole one.
 
 Numerics: each half computes what the whole computes for its rows, provided the model mixes
 no rows of a batch (no batch statistics; our MoE module routes per sequence for this). A
@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._compat import _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from ..runtime.executor import StepExecutor
-from ..runtime.fsdp import gathered_for_both_halves, one_backward_for_both_halves
+from ..runtime.fsdp import fsdp_modules, gathered_for_both_halves
 from ..runtime.two_batch import register_halves_runner
 from .comm import warn_once_if_exchange_traced
 from .protocol import halves_implementation
@@ -170,12 +170,11 @@ def run_backward_in_halves(executor: StepExecutor, action: _Action, run: Callabl
 
     def backward_in_halves(stage_output: Any, output_grads: Any, input_values: list) -> tuple:
         record = executor.halves.pop(key)
-        with one_backward_for_both_halves(stage.submod):  # FSDP2: before a last stage's loss backward too
-            halves = _half_grads(record, stage_output, output_grads)
-            if apart == "protocol":
-                halves_implementation(stage.submod).overlapped_halves_backward(stage.submod, halves)
-            else:
-                _relay_halves([lambda h=h: torch.autograd.backward(*h) for h in halves])
+        halves = _half_grads(record, stage_output, output_grads)
+        if apart == "protocol":
+            halves_implementation(stage.submod).overlapped_halves_backward(stage.submod, halves)
+        else:
+            _relay_halves([lambda h=h: torch.autograd.backward(*h) for h in halves])
         return input_grads(input_values)
 
     if apart is None:  # torch's own backward, through the concatenation
@@ -188,7 +187,9 @@ def run_backward_in_halves(executor: StepExecutor, action: _Action, run: Callabl
 
 def _backward_apart(module: torch.nn.Module, device: torch.device) -> str | None:
     """How a split microbatch's backward runs on its halves: "protocol", "relay", or None for
-    through the concatenation (relay modules with an accelerator)."""
+    through the concatenation (FSDP2 stages; relay modules with an accelerator)."""
+    if fsdp_modules(module):
+        return None
     if halves_implementation(module) is not None:
         return "protocol"
     return "relay" if device.type == "cpu" else None

@@ -1,6 +1,5 @@
-"""FSDP2 helpers of the runtime: a stage module's FSDP modules, gathered together, kept
-gathered across the two halves of a split microbatch, and the halves' backward calls taken as
-one backward."""
+"""FSDP2 helpers of the runtime: a stage module's FSDP modules, gathered together, and kept
+gathered across the two halves of a split microbatch."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Iterator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .._compat import fsdp_one_backward, fsdp_post_forward_decided, fsdp_reshard_after_forward
+from .._compat import fsdp_post_forward_decided, fsdp_reshard_after_forward
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -54,19 +53,3 @@ def gathered_for_both_halves(module: nn.Module) -> Iterator[None]:
     for group in groups:
         if calls[group] % 2:
             fsdp_reshard_after_forward(group)
-
-
-@contextlib.contextmanager
-def one_backward_for_both_halves(module: nn.Module) -> Iterator[None]:
-    """The backward calls of a split microbatch's two halves inside the block (each from its own
-    outputs, as a relay or through a module's own interleaving), as FSDP2 would see the whole
-    microbatch's backward: ``module``'s pre-backward (hooked on the joined output) once before
-    them, FSDP2's end-of-backward callback once after them. Each group's post-backward runs once
-    per half (the halves reach its inputs apart); inside a microbatch's backward torch's pipeline
-    stage has gradient sync off, so the second one accumulates like the first."""
-    modules = fsdp_modules(module)
-    if not modules:
-        yield
-        return
-    with fsdp_one_backward(modules, module if isinstance(module, FSDPModule) else None):
-        yield
