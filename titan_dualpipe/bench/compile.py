@@ -174,11 +174,12 @@ class _Kind:
             with self.split_scope():
                 compile_blocks(self.split_copy, cfg["backend"])
         torch.manual_seed(1)
-        self.head = nn.Linear(cfg["dim"], cfg["dim"]).to(self.device)  # stage 0: eager, so stage 1's input needs a gradient
-        self.pipeline = _io_pipeline(self.head, self.stage, self.n, self.device)
-        self.deferring_head = copy.deepcopy(self.head)
-        self.deferring_pipeline = _io_pipeline(self.deferring_head, self.deferring_copy, self.n, self.device,
-                                               weight_gradients="deferred_compiled")
+        head = nn.Linear(cfg["dim"], cfg["dim"]).to(self.device)  # stage 0: eager, so stage 1's input needs a gradient
+        # by weight_gradients mode: the pipeline's two stage modules and the pipeline
+        self.pipelines: dict[str, tuple[tuple[nn.Module, nn.Module], Any]] = {}
+        for mode, stage, first in (("deferred", self.stage, head), ("deferred_compiled", self.deferring_copy,
+                                                                     copy.deepcopy(head))):
+            self.pipelines[mode] = (stage, first), _io_pipeline(first, stage, self.n, self.device, weight_gradients=mode)
 
     def _microbatches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         rows = self.batch.shape[0] // self.n
@@ -197,12 +198,13 @@ class _Kind:
             spans.append((start, clock.mark()))
         return sum(end - start for start, end in span_seconds(clock, spans)) / self.n, 0.0, 0.0
 
-    def runtime(self, deferring: bool = False) -> Sample:
-        """Mean seconds per microbatch of stage 1's I and W actions in one pipeline step: (I + W, I, W)."""
+    def runtime(self, mode: str = "deferred") -> Sample:
+        """Mean seconds per microbatch of stage 1's I and W actions in one pipeline step under
+        ``weight_gradients=mode``: (I + W, I, W)."""
         from .._compat import I, W
 
-        pipeline = self.deferring_pipeline if deferring else self.pipeline
-        for module in ((self.deferring_copy, self.deferring_head) if deferring else (self.stage, self.head)):
+        modules, pipeline = self.pipelines[mode]
+        for module in modules:
             module.zero_grad(set_to_none=True)
         batch = self.batch.detach()  # stage 0 takes it; stage 1's input gets its gradient from stage 0
         pipeline.step(batch, target=self.target)
@@ -235,7 +237,7 @@ class _Kind:
         return (i + w) / self.n, i / self.n, w / self.n
 
     def variant(self, name: str) -> Callable[[], Sample]:
-        return {"full": self.full, "runtime": self.runtime, "deferred_compiled": lambda: self.runtime(deferring=True),
+        return {"full": self.full, "runtime": self.runtime, "deferred_compiled": lambda: self.runtime("deferred_compiled"),
                 "torch split": self.torch_split}[name]
 
 

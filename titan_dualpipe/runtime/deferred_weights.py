@@ -176,19 +176,33 @@ class _DeferrableLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        input, weight = ctx.saved_tensors
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_2d.mm(weight).view(input.shape)
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.sum(0)
-        if ctx.needs_input_grad[1]:
-            input_2d = input.reshape(-1, input.shape[-1])
-            weight_gemm = lambda: grad_2d.t().mm(input_2d)  # noqa: E731
-            if not ctx.queue.defer_to_operand(ctx.parameter, weight_gemm, holds=(grad_2d, input_2d)):
-                grad_weight = weight_gemm()
-        return grad_input, grad_weight, grad_bias, None
+        return _linear_grads(ctx, grad, lambda grad_2d, input_2d, _: _weight_gemm_or_queue(
+            ctx.queue, ctx.parameter, grad_2d, input_2d))
+
+
+def _linear_grads(ctx: Any, grad: torch.Tensor,
+                  weight_grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]) -> tuple:
+    """``F.linear``'s gradients (input, weight, bias, and None for the extra argument) from the
+    saved input and weight, with the GEMMs autograd runs (``dX = dY W``; ``dW = dY^T X`` on the
+    inputs flattened to 2-D, left to ``weight_grad(dY, X, W)``, which may return None: queued)."""
+    input, weight = ctx.saved_tensors
+    grad_2d = grad.reshape(-1, grad.shape[-1])
+    grad_input = grad_2d.mm(weight).view(input.shape) if ctx.needs_input_grad[0] else None
+    grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
+    grad_weight = weight_grad(grad_2d, input.reshape(-1, input.shape[-1]), weight) if ctx.needs_input_grad[1] else None
+    return grad_input, grad_weight, grad_bias, None
+
+
+def _weight_gemm_or_queue(queue: WeightGradQueue, parameter: torch.Tensor, grad_2d: torch.Tensor,
+                          input_2d: torch.Tensor, copies: bool = False) -> torch.Tensor | None:
+    """``dW = dY^T X`` at once, or None when it is queued for ``W`` (inside an ``I``); ``copies``:
+    hold copies of the operands (a compiled graph may reuse their buffers once the call returns)."""
+    if queue.target is not None:
+        if copies:
+            grad_2d, input_2d = grad_2d.clone(), input_2d.clone()
+        if queue.defer_to_operand(parameter, lambda: grad_2d.t().mm(input_2d), holds=(grad_2d, input_2d)):
+            return None
+    return grad_2d.t().mm(input_2d)
 
 
 _linears_by_key: dict[int, "weakref.ref[nn.Module]"] = {}  # installed nn.Linear modules, for compiled graphs
@@ -206,15 +220,11 @@ def _linear_weight_gemm(grad_2d: torch.Tensor, input_2d: torch.Tensor, weight: t
     queued for ``W`` (zeros returned: autograd adds them to the gradient, ``W`` adds the GEMM)."""
     module = _linear_of(key)
     queue = getattr(module, "_weight_grad_queue", None)
-    if queue is not None and queue.target is not None:
-        parameter = module.weight  # the tensor autograd accumulates into (FSDP2: the gathered one)
-        if parameter.data_ptr() == weight.data_ptr() and parameter.shape == weight.shape:
-            # the compiled graph may reuse these buffers once the call returns: hold copies
-            grad_held, input_held = grad_2d.clone(), input_2d.clone()
-            gemm = lambda: grad_held.t().mm(input_held)  # noqa: E731
-            if queue.defer_to_operand(parameter, gemm, holds=(grad_held, input_held)):
-                return torch.zeros_like(weight)
-    return grad_2d.t().mm(input_2d)
+    parameter = getattr(module, "weight", None)  # the tensor autograd accumulates into (FSDP2: the gathered one)
+    if queue is None or parameter.data_ptr() != weight.data_ptr() or parameter.shape != weight.shape:
+        return grad_2d.t().mm(input_2d)
+    grad_weight = _weight_gemm_or_queue(queue, parameter, grad_2d, input_2d, copies=True)
+    return torch.zeros_like(weight) if grad_weight is None else grad_weight
 
 
 @_linear_weight_gemm.register_fake
@@ -234,15 +244,8 @@ class _CompiledDeferrableLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        input, weight = ctx.saved_tensors
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_input = grad_2d.mm(weight).view(input.shape) if ctx.needs_input_grad[0] else None
-        grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            input_2d = input.reshape(-1, input.shape[-1])
-            grad_weight = torch.ops.titan_dualpipe.linear_weight_gemm(grad_2d, input_2d, weight, ctx.key)
-        return grad_input, grad_weight, grad_bias, None
+        return _linear_grads(ctx, grad, lambda grad_2d, input_2d, weight: torch.ops.titan_dualpipe.linear_weight_gemm(
+            grad_2d, input_2d, weight, ctx.key))
 
 
 class _DeferrableLinearForward:

@@ -177,20 +177,21 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.weight_queue = WeightGradQueue()
         self.deferred_weights: dict[int, list[str]] = {}
         compiled = mode == "deferred_compiled"
+        # stages a static rule keeps whole at I (torch.compile'd modules), unless they defer
+        kept_whole = {s.stage_index for s in self._stages if whole_backward_reason(s.submod)}
         for stage in self._stages:
             module = stage.submod
             deferring = (mode in DEFERRING_MODES and not isinstance(module, DistributedDataParallel)  # DDP reduces in autograd's hooks
-                         and (compiled or not whole_backward_reason(module)))
+                         and (compiled or stage.stage_index not in kept_whole))
             if deferring:
                 self.deferred_weights[stage.stage_index] = install(module, self.weight_queue, not_deferred, compiled)
             else:
                 uninstall(module)
         self.deferred_weight_stages = frozenset(self.deferred_weights)
-        # Stages whose backward a static rule keeps whole at I (W a no-op): torch.compile'd modules,
-        # unless they defer ("deferred_compiled": one compiled backward at I). Forwards that run
-        # activation-checkpoint regions add their microbatches step by step (runtime/split_backward.py).
-        self.whole_backward_stages = {s.stage_index for s in self._stages
-                                      if s.stage_index not in self.deferred_weight_stages and whole_backward_reason(s.submod)}
+        # Stages whose backward runs whole at I (W a no-op) by a static rule: those that do not defer
+        # ("deferred_compiled": one compiled backward at I). Forwards that run activation-checkpoint
+        # regions add their microbatches step by step (runtime/split_backward.py).
+        self.whole_backward_stages = kept_whole - self.deferred_weight_stages
 
     def _folds_twins(self) -> bool:
         """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""
