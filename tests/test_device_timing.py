@@ -303,6 +303,119 @@ def test_bench_titan_charges_the_count_exchange_wait_on_the_cpu(fake_gpu, monkey
     assert (fake_gpu.recorded, fake_gpu.syncs) == (0, 0)
 
 
+# -- the token-count read on CUDA -----------------------------------------------------------------
+class _Streams:
+    """Fake CUDA streams and events that log, in order, what a count read asks of them."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.current = "compute"
+
+    def stream(self, name: str) -> Any:
+        streams = self
+
+        class _Stream:
+            def __init__(self, device: object = None) -> None:
+                self.name = name
+
+            def wait_stream(self, other: Any) -> None:
+                streams.log.append(f"{self.name} waits for {other.name}")
+
+            def wait_event(self, event: Any) -> None:
+                streams.log.append(f"{self.name} waits for {event.name}")
+
+            def synchronize(self) -> None:
+                streams.log.append(f"host waits for the {self.name} stream")
+
+        return _Stream
+
+    def on(self, stream: Any) -> Any:
+        streams = self
+
+        class _On:
+            def __enter__(self) -> None:
+                self.before, streams.current = streams.current, stream.name
+
+            def __exit__(self, *exc: object) -> None:
+                streams.current = self.before
+
+        return _On()
+
+    def event(self) -> Any:
+        streams = self
+
+        class _Event:
+            def __init__(self) -> None:
+                self.name = "its event"
+
+            def record(self, stream: Any) -> None:
+                streams.log.append(f"{self.name} recorded on {stream.name}")
+
+            def synchronize(self) -> None:
+                streams.log.append(f"host waits for {self.name}")
+
+        return _Event
+
+
+def test_cuda_count_read_waits_for_its_own_exchange_beside_the_compute_stream(monkeypatch):
+    """On CUDA the count exchange is posted from a side stream once the local counts are computed,
+    the partner half runs while the counts travel, and the host waits for the event of the counts'
+    pinned, non-blocking copy only: never for the compute stream or the device. The compute stream
+    waits for the same event before it uses the received counts."""
+    from titan_dualpipe.overlap import count_read
+    from titan_dualpipe.overlap.relay import hand_over, run_relayed
+
+    fake = _Streams()
+    compute, side = fake.stream("compute")(), fake.stream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Stream", side)
+    monkeypatch.setattr(torch.cuda, "stream", fake.on)
+    monkeypatch.setattr(torch.cuda, "Event", fake.event())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: fake.log.append("host waits for the device"))
+    monkeypatch.setattr(count_read, "_SIDE_STREAMS", {})
+
+    def pinned_like(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty_like(t)
+        copy_ = host.copy_
+        host.copy_ = lambda src, non_blocking=False: (  # type: ignore[method-assign]
+            fake.log.append(f"pinned copy on {fake.current}, non_blocking={non_blocking}"), copy_(src))[1]
+        return host
+
+    def waited(t: torch.Tensor) -> torch.Tensor:
+        fake.log.append(f"exchange waited for on {fake.current}")
+        return t
+
+    monkeypatch.setattr(count_read, "_pinned_like", pinned_like)
+    monkeypatch.setattr(count_read, "_used_on", lambda t, stream: None)
+    monkeypatch.setattr(count_read, "wait_collective", waited)
+    local, peers = torch.tensor([1, 2, 3, 4]), torch.tensor([5, 0, 2, 1])
+
+    def post() -> torch.Tensor:
+        fake.log.append(f"exchange posted on {fake.current}")
+        return peers
+
+    reads = []
+
+    def partner() -> None:
+        fake.log.append("partner half runs")
+        hand_over()
+
+    run_relayed(lambda: reads.append(count_read._read_beside_the_compute_stream(local, 2, post, None)), partner)
+    [read] = reads
+    assert (read.received is peers, read.input_splits, read.output_splits) == (True, [3, 7], [5, 3])
+    assert fake.log[:8] == [
+        "side waits for compute",
+        "exchange posted on side",
+        "partner half runs",
+        "exchange waited for on side",
+        "pinned copy on side, non_blocking=True",
+        "its event recorded on side",
+        "host waits for its event",
+        "compute waits for its event",
+    ], fake.log
+    assert not [entry for entry in fake.log if "stream" in entry or "device" in entry], fake.log
+
+
 # -- bench compile: full and split backwards on the device ---------------------------------------
 def test_bench_compile_times_full_and_split_backwards_with_events(world_of_one, fake_gpu, monkeypatch):
     """``bench compile --device cuda``: the full backward and torch's I and W are spans of CUDA

@@ -1365,19 +1365,18 @@ def _count_exchange_worker(rank: int, init_file: str, results) -> None:
 
 
 def test_token_count_exchange_is_read_at_once_on_its_own_communicator(tmp_path: Path) -> None:
-    """As torchtitan does, the count all-to-all is posted and read before the token exchange
-    hands over to the partner half, but on the count communicator, not the expert-parallel
-    group's (where it would queue behind the partner's token exchange); bench titan's comparison
-    run hands over in between. The bench waits for the counts itself, inside its exposed span
-    (torchtitan's own wait then finds them there: the second ``wait``)."""
+    """As torchtitan does, the count all-to-all is posted and read on the CPU before the token
+    exchange hands over to the partner half, but on the count communicator, not the expert-parallel
+    group's (where it would queue behind the partner's token exchange), and waited for once, inside
+    the bench's exposed span; bench titan's comparison run hands over in between."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
     mp.spawn(_count_exchange_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     for rank in (0, 1):
         read_at_once, handed_over = results[(rank, False)][:6], results[(rank, True)][:6]
-        assert read_at_once == ["post counts", "wait", "wait", "post tokens", "B0", "wait"], read_at_once
-        assert handed_over == ["post counts", "B0", "wait", "wait", "post tokens", "B1"], handed_over
+        assert read_at_once == ["post counts", "wait", "post tokens", "B0", "wait", "B1"], read_at_once
+        assert handed_over == ["post counts", "B0", "wait", "post tokens", "B1", "wait"], handed_over
 
 
 def test_folded_rank_map_puts_twins_side_by_side() -> None:
@@ -1656,6 +1655,11 @@ def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
     assert matrix.compare({0: {1: (8.0, 2.0)}}, reference, steps=2, rel=1e-4) == "rank 0 logged steps [1]"
     table = matrix.markdown([matrix.Outcome("tp DualPipe (exchanged twins)", "0.2.2", True, "OK (worst rel 1e-05)")])
     assert "| tp | DualPipe (exchanged twins) | 0.2.2 | tested on CPU: OK" in table and "| cp |" in table
+    log = ("[rank0]: ...; 12 weight GEMMs per microbatch wait for W (deferred weight gradients)\n"
+           "[rank1]: ...; 16 weight GEMMs per microbatch wait for W (deferred weight gradients)\n")
+    assert matrix._weight_gradients(log) == "; deferred W: up to 16 weight GEMMs per microbatch on a rank"
+    assert matrix._weight_gradients("...; weight gradients: whole\n") == "; weight gradients: whole"
+    assert matrix._weight_gradients("no note") == ""
     assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "exchanged"), registry=False)[1] == {
         FOLD_ENV: "0"}
     assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "folded"), registry=True)[0] == (

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -189,7 +190,7 @@ def run_matrix(runner: Runner, only: str = "") -> list[Outcome]:
             label = f"{layout.name}_{cell.schedule}_{cell.twins}".replace("+", "_")
             logged, output = runner.train(layout.model, label, layout.nproc, *seed, *layout.overrides, *extra,
                                           "--parallelism.pipeline_parallel_schedule", cell.schedule, env=env)
-            detail = compare(logged, references[key], runner.steps, layout.rel)
+            detail = compare(logged, references[key], runner.steps, layout.rel) + _weight_gradients(output)
             if cell.twins and f"twins {'folded into FSDP' if cell.twins == 'folded' else 'summed by an exchange'}" not in output:
                 detail = f"the run did not report {cell.twins} twins"
             outcomes.append(Outcome(cell.name, runner.generation, detail.startswith("OK"), detail,
@@ -198,6 +199,16 @@ def run_matrix(runner: Runner, only: str = "") -> list[Outcome]:
             outcomes.append(Outcome(cell.name, runner.generation, False, str(err)[-2000:], time.monotonic() - start))
         print(_row(outcomes[-1]), flush=True)
     return outcomes
+
+
+def _weight_gradients(output: str) -> str:
+    """How the run took its weight gradients, from its build log: the most weight GEMMs per
+    microbatch that a rank deferred to W, or the mode it named."""
+    deferred = [int(n) for n in re.findall(r"(\d+) weight GEMMs per microbatch wait for W", output)]
+    if deferred:
+        return f"; deferred W: up to {max(deferred)} weight GEMMs per microbatch on a rank"
+    named = re.search(r"weight gradients: (\w+)", output)
+    return f"; weight gradients: {named.group(1)}" if named else ""
 
 
 def _last_stage_rank(nproc: int, pp: int = 2) -> int:

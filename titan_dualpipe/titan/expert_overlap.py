@@ -18,15 +18,17 @@ unchanged (:mod:`titan_dualpipe.overlap.relay`).
   thread without that state the trainer's meshes.
 
 Before the token exchange, each rank's per-expert token counts go to its peers in an
-all-to-all that the dispatch reads on the host at once (0.2.2: ``ExpertParallel``'s
-``all_to_all_single`` then ``wait_tensor``; 0.3.0: ``_token_count_exchange`` then
-``_sync_token_count_exchange``). On the expert-parallel group's communicator that read would wait
-for the partner half's token exchange posted before it, so the count exchange runs on a
-communicator of its own (:mod:`titan_dualpipe.overlap.count_groups`): :func:`count_communicators`
-makes one per expert-parallel group of the stage modules before the first step. It goes through
+all-to-all that the dispatch reads on the host at once. On the expert-parallel group's
+communicator that read would wait for the partner half's token exchange posted before it, so the
+count exchange runs on a communicator of its own (:mod:`titan_dualpipe.overlap.count_groups`):
+:func:`count_communicators` makes one per expert-parallel group of the stage modules before the
+first step. :func:`~titan_dualpipe.overlap.count_read.read_token_counts` posts and reads it (on
+CUDA from a side stream, the host waiting on that exchange's event alone), through
 :func:`~titan_dualpipe.overlap.comm.count_exchange`, where ``bench titan``'s emulated network
-charges it (and its comparison runs hand over between posting and reading). Inside a compiled
-graph it stays torchtitan's, on the expert-parallel group.
+charges it. 0.2.2: our ``ExpertParallel._token_dispatch`` reads the counts so, then exchanges and
+permutes the tokens as torchtitan's does; 0.3.0: ``_token_count_exchange`` reads them and
+``_sync_token_count_exchange`` hands that read on. Inside a compiled graph the dispatch stays
+torchtitan's, on the expert-parallel group.
 
 0.2.2's ``ExpertParallel`` keeps a dispatch's splits on the module until the combine; they are
 kept per thread (:class:`PerThread`), so the two halves of a two-batch split, which run one layer
@@ -44,6 +46,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..overlap.count_groups import count_group, make_count_groups
+from ..overlap.count_read import TokenCounts, read_token_counts
 from .generation import GEN
 from .pipeline import ACTIVE
 
@@ -62,34 +65,60 @@ def _combine_token_exchange(self: Any, routed: torch.Tensor, pg: Any, input_spli
     return relayed_all_to_all_single(routed, input_splits, output_splits, pg)
 
 
-def _on_count_communicator(post_on: Callable[[Any], Any], group: Any) -> Any:
-    """The token-count exchange ``post_on(g)`` on ``group``'s count communicator ``g``, through
-    the emulated network when one is set; torchtitan's own inside a compiled graph."""
-    if torch.compiler.is_compiling():
-        return post_on(group)
-    from ..overlap.comm import count_exchange
+class _LastRead(threading.local):
+    """0.3.0: the count exchange this thread read last, for the dispatch's next step (its sync)."""
 
+    read: TokenCounts | None = None
+
+    def take(self, received: torch.Tensor) -> TokenCounts | None:
+        read, self.read = self.read, None
+        return read if read is not None and read.received is received else None
+
+
+_LAST_READ = _LastRead()
+
+
+def _read_on_count_communicator(local: torch.Tensor, ep_size: int, post_on: Callable[[Any], torch.Tensor],
+                                group: Any) -> TokenCounts:
+    """The token-count exchange ``post_on(g)`` of ``local`` on ``group``'s count communicator ``g``,
+    read on the host (:func:`~titan_dualpipe.overlap.count_read.read_token_counts`)."""
     counts = count_group(group)
-    return count_exchange(lambda: post_on(counts), counts)
+    return read_token_counts(local, ep_size, lambda: post_on(counts), counts)
 
 
-def _count_exchange_022(all_to_all_single: Callable[..., Any]) -> Callable[..., Any]:
-    """0.2.2: ``expert_parallel.all_to_all_single``, which only the count exchange calls."""
-    if getattr(all_to_all_single, "_titan_dualpipe", False):
-        return all_to_all_single
+def _token_dispatch_022(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.2: ``ExpertParallel._token_dispatch``, its counts exchanged on their own communicator
+    and read by :func:`read_token_counts`; then, as torchtitan's, the token exchange and the
+    permutation to expert-major order. Inside a compiled graph: torchtitan's own."""
+    if getattr(original, "_titan_dualpipe", False):
+        return original
+    from torch.distributed._functional_collectives import all_to_all_single
+    from torchtitan.distributed import expert_parallel
 
-    def exchange(x: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any, group: Any, tag: str = "") -> Any:
-        return _on_count_communicator(
-            lambda g: all_to_all_single(x, output_split_sizes, input_split_sizes, group=g, tag=tag), group)
+    def _token_dispatch(self: Any, mod: torch.nn.Module, inputs: tuple, device_mesh: Any) -> tuple:
+        if torch.compiler.is_compiling():
+            return original(self, mod, inputs, device_mesh)
+        routed_input, local = inputs
+        ep_size, group = device_mesh.shape[0], device_mesh.get_group()
+        with torch.no_grad():
+            read = _read_on_count_communicator(
+                local, ep_size, lambda g: all_to_all_single(local, None, None, group=g), group)
+        self.input_splits, self.output_splits = read.input_splits, read.output_splits
+        routed_input = expert_parallel.all_to_all_single_autograd(
+            routed_input, self.output_splits, self.input_splits, group)
+        self.input_shape, routed_input, self.permuted_indices, received = expert_parallel._permute(
+            routed_input, read.received, ep_size, local.shape[0] // ep_size)
+        return routed_input, received
 
-    exchange._titan_dualpipe = True  # type: ignore[attr-defined]
-    return exchange
+    _token_dispatch._titan_dualpipe = True  # type: ignore[attr-defined]
+    return _token_dispatch
 
 
 def _count_exchange_030(original: Callable[..., Any]) -> Callable[..., Any]:
-    """0.3.0: ``AllToAllTokenDispatcher._token_count_exchange``. Under the ``spmd_types`` backend it
-    exchanges on the group it is given; otherwise on its expert-parallel mesh, so on the count
-    communicator it is the same functional all-to-all, given that group."""
+    """0.3.0: ``AllToAllTokenDispatcher._token_count_exchange``, on the count communicator and read
+    at once (:func:`read_token_counts`); :func:`_sync_030` hands the read on. Under the
+    ``spmd_types`` backend it exchanges on the group it is given; otherwise on its expert-parallel
+    mesh, so on the count communicator it is the same functional all-to-all, given that group."""
     if getattr(original, "_titan_dualpipe", False):
         return original
     from torch.distributed._functional_collectives import all_to_all_single
@@ -101,10 +130,30 @@ def _count_exchange_030(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(self, counts, group, ep_size)
             return all_to_all_single(counts.view(ep_size, -1), None, None, group=group)
 
-        return _on_count_communicator(post_on, pg)
+        if torch.compiler.is_compiling():
+            return post_on(pg)
+        _LAST_READ.read = _read_on_count_communicator(counts, ep_size, post_on, pg)
+        return _LAST_READ.read.received
 
     _token_count_exchange._titan_dualpipe = True  # type: ignore[attr-defined]
     return _token_count_exchange
+
+
+def _sync_030(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.3.0: ``AllToAllTokenDispatcher._sync_token_count_exchange``: the splits that
+    :func:`_count_exchange_030` read for these counts, else torchtitan's own read."""
+    if getattr(original, "_titan_dualpipe", False):
+        return original
+
+    def _sync_token_count_exchange(self: Any, local: torch.Tensor, received: torch.Tensor,
+                                   ep_size: int) -> tuple[torch.Tensor, list[int], list[int]]:
+        read = _LAST_READ.take(received)
+        if read is None:
+            return original(self, local, received, ep_size)
+        return read.received.reshape(-1), read.input_splits, read.output_splits
+
+    _sync_token_count_exchange._titan_dualpipe = True  # type: ignore[attr-defined]
+    return _sync_token_count_exchange
 
 
 # 0.2.2: the expert-parallel mesh an ExpertParallel style was applied with, kept on the module
@@ -230,6 +279,7 @@ def install() -> None:
         AllToAllTokenDispatcher._dispatch_token_exchange = _dispatch_token_exchange
         AllToAllTokenDispatcher._combine_token_exchange = _combine_token_exchange
         AllToAllTokenDispatcher._token_count_exchange = _count_exchange_030(AllToAllTokenDispatcher._token_count_exchange)
+        AllToAllTokenDispatcher._sync_token_count_exchange = _sync_030(AllToAllTokenDispatcher._sync_token_count_exchange)
         _share_meshes_with_the_relay()
         return
     from torchtitan.distributed import expert_parallel
@@ -240,7 +290,7 @@ def install() -> None:
     for name in _DISPATCH_STATE:
         if not isinstance(expert_parallel.ExpertParallel.__dict__.get(name), PerThread):
             setattr(expert_parallel.ExpertParallel, name, PerThread(name))
-    expert_parallel.all_to_all_single = _count_exchange_022(expert_parallel.all_to_all_single)
+    expert_parallel.ExpertParallel._token_dispatch = _token_dispatch_022(expert_parallel.ExpertParallel._token_dispatch)
     for style in (expert_parallel.ExpertParallel, expert_parallel.ExpertTensorParallel):
         if "_apply" in style.__dict__:
             style._apply = _recording_ep_mesh(style.__dict__["_apply"])
