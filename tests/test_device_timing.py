@@ -244,12 +244,18 @@ class _Counts(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+def _wait_and_copy_to_host(counts: torch.Tensor) -> torch.Tensor:
+    """A read that blocks the host until the counts arrive: the collective's wait, then (where
+    the counts would sit on a GPU) their copy to the host."""
+    waited = wait_collective(counts)
+    waited.to("cpu")
+    return waited
+
+
 def _dispatch_reads_counts(counts: torch.Tensor) -> list[int]:
-    """torchtitan's dispatch: post the count exchange, then wait for it and read the splits on the
-    host at once (0.2.2 ``ExpertParallel._token_dispatch``, 0.3.0 ``_sync_token_count_exchange``)."""
-    received = comm.count_exchange(lambda: counts, group=None)
-    received = wait_collective(received)
-    return received.view(2, -1).sum(dim=1).to(torch.device("cpu"), non_blocking=False).tolist()
+    """A dispatch: post the count exchange, read it on the host at once, then take the splits."""
+    received = comm.count_exchange(lambda: counts, group=None, read=_wait_and_copy_to_host)
+    return received.view(2, -1).sum(dim=1).tolist()
 
 
 def _probe_count_step(clock: bench_probe._PhaseClock, device: str) -> tuple[bench_probe._Record, list[int]]:

@@ -347,34 +347,23 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
     return cost.stats.wait_until(ready_at, lambda: wait_collective(pending))
 
 
-def count_exchange(post: Callable[[], T], group: Any, read: Callable[[T], Any] | None = None,
-                   hand_over_between: bool = False) -> Any:
+def count_exchange(post: Callable[[], T], group: Any, read: Callable[[T], Any], hand_over_between: bool = False) -> Any:
     """``read(post())``: an expert-parallel token-count exchange on ``group`` (its own
-    communicator), posted, then read on the host (:mod:`.count_read`; by default
-    :func:`_counts_on_host`). ``hand_over_between``: hand over to the partner half between the two
-    (as the CUDA read does), as does a comparison run's ``count_hand_over``.
+    communicator), posted, then read on the host (:mod:`.count_read`). ``hand_over_between``:
+    hand over to the partner half between the two (as the CUDA read does), as does a comparison
+    run's ``count_hand_over``.
 
     Under the emulated network the exchange is ready after the latency, and no earlier than the
-    exchanges posted before it on ``group``; the read's wait for it counts as exposed."""
+    exchanges posted before it on ``group``; the read's wait for it, however the read blocks (the
+    collective's wait on the CPU, a copy's event on a GPU), counts as exposed."""
     cost = _RELAYED_COST
     posted = post()
     ready_at = None if cost is None else cost.ready_at(group, time.perf_counter() + cost.latency_s)
     if hand_over_between or (cost is not None and cost.count_hand_over):
         hand_over()
-    read_counts = _counts_on_host if read is None else read
     if cost is None:
-        return read_counts(posted)
-    return cost.stats.wait_until(ready_at, lambda: read_counts(posted))
-
-
-def _counts_on_host(counts: T) -> T:
-    """Wait for a count exchange and copy its counts to the host, as torchtitan's read does at
-    once. On a GPU this is where the exchange stalls: the compute stream waits for the
-    collective, then the host blocks on the device-to-host copy, so a span around it on the
-    compute stream (CUDA events) holds the stall, as the host clock does on the CPU."""
-    waited = wait_collective(counts)
-    waited.to("cpu")  # blocking; the caller's own copy of the same counts then finds them arrived
-    return waited
+        return read(posted)
+    return cost.stats.wait_until(ready_at, lambda: read(posted))
 
 
 def relayed_all_to_all_single(
