@@ -135,19 +135,44 @@ def test_interleave_closes_the_other_half_when_one_raises():
     assert closed == [True]
 
 
-def test_emulated_network_waits_without_cpu_and_counts_only_blocked_time():
+class _StubClock:
+    """``time`` for :mod:`titan_dualpipe.overlap.comm`: ``perf_counter`` moves only when the test
+    advances it or the code sleeps, so no descheduling of a loaded machine shows as waiting."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 100.0, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_emulated_network_waits_without_cpu_and_counts_only_blocked_time(monkeypatch):
     net = EmulatedNetwork(latency_s=0.05, bandwidth_bytes_per_s=1e6)
     assert net.seconds(50_000) == pytest.approx(0.1)
     stats = CommStats()
     pending = PendingAllToAll(torch.zeros(1), None, time.perf_counter() + net.seconds(50_000), stats)
     cpu = time.process_time()
     pending.wait()
-    assert stats.waited_s >= 0.095 and time.process_time() - cpu < 0.05
-    hidden = PendingAllToAll(torch.zeros(1), None, time.perf_counter() + 0.05, stats)
-    time.sleep(0.06)  # the other half computing
+    assert stats.waited_s >= 0.095 and time.process_time() - cpu < 0.05  # slept, did not spin
+    # on a stub clock: an exchange that ended while the other half computed costs nothing; one
+    # still in flight costs what is left of it, slept
+    from titan_dualpipe.overlap import comm
+
+    clock = _StubClock()
+    monkeypatch.setattr(comm, "time", clock)
     before = stats.waited_s
+    hidden = PendingAllToAll(torch.zeros(1), None, clock.now + 0.05, stats)
+    clock.now += 0.06  # the other half computing
     hidden.wait()
-    assert stats.waited_s - before < 0.01
+    assert stats.waited_s == before and clock.slept == []
+    late = PendingAllToAll(torch.zeros(1), None, clock.now + 0.05, stats)
+    clock.now += 0.02
+    late.wait()
+    assert clock.slept == [pytest.approx(0.03)] and stats.waited_s - before == pytest.approx(0.03)
 
 
 def test_emulated_network_runs_a_groups_exchanges_in_order():
