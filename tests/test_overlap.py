@@ -153,17 +153,20 @@ class _StubClock:
 def test_emulated_network_waits_without_cpu_and_counts_only_blocked_time(monkeypatch):
     net = EmulatedNetwork(latency_s=0.05, bandwidth_bytes_per_s=1e6)
     assert net.seconds(50_000) == pytest.approx(0.1)
-    stats = CommStats()
-    pending = PendingAllToAll(torch.zeros(1), None, time.perf_counter() + net.seconds(50_000), stats)
+    ready_at = time.perf_counter() + net.seconds(50_000)
     cpu = time.process_time()
-    pending.wait()
-    assert stats.waited_s >= 0.095 and time.process_time() - cpu < 0.05  # slept, did not spin
-    # on a stub clock: an exchange that ended while the other half computed costs nothing; one
-    # still in flight costs what is left of it, slept
+    PendingAllToAll(torch.zeros(1), None, ready_at, CommStats()).wait()
+    assert time.perf_counter() >= ready_at and time.process_time() - cpu < 0.05  # slept, did not spin
+    # on a stub clock (a loaded machine may deschedule this thread between any two lines): the
+    # time blocked counts as waited; an exchange that ended while the other half computed costs
+    # nothing; one still in flight costs what is left of it, slept
     from titan_dualpipe.overlap import comm
 
-    clock = _StubClock()
+    clock, stats = _StubClock(), CommStats()
     monkeypatch.setattr(comm, "time", clock)
+    PendingAllToAll(torch.zeros(1), None, clock.now + net.seconds(50_000), stats).wait()
+    assert clock.slept == [pytest.approx(0.1)] and stats.waited_s == pytest.approx(0.1)
+    clock.slept.clear()
     before = stats.waited_s
     hidden = PendingAllToAll(torch.zeros(1), None, clock.now + 0.05, stats)
     clock.now += 0.06  # the other half computing
