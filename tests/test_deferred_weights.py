@@ -137,6 +137,54 @@ def test_compiled_blocks_defer_their_weight_gemms_through_one_graph(ac):
         torch.testing.assert_close(deferred[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _ResidualMLP(nn.Module):
+    """``h + w2(gelu(w1(h)))``, checkpointed: the region's last saved tensor is ``w2``'s input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda x: x + self.w2(torch.nn.functional.gelu(self.w1(x))), h, use_reentrant=False)
+
+
+class _CountGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.addmm.default:
+            self.forward += 1
+        elif func is torch.ops.aten.mm.default:
+            self.backward += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("deferring", [False, True], ids=["at_once", "in_an_I"])
+def test_a_recomputation_stops_before_a_last_linear_layers_gemm_as_under_autograd(deferring):
+    """torch ends a checkpointed region's recomputation at its last saved tensor (early stop): a
+    region ending in a linear layer (an MLP's down projection) skips that layer's forward GEMM.
+    An installed layer saves its input before its GEMM runs, so its backward recomputes the same
+    forward GEMMs as autograd's (one here, not two) and runs the same backward GEMMs (two at I
+    and two at W when deferring)."""
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    counts = []
+    for installed in (False, True):
+        torch.manual_seed(0)
+        model, queue = _ResidualMLP(), WeightGradQueue()
+        if installed:
+            install(model, queue)
+        loss = model(x.clone().requires_grad_()).square().sum()
+        with _CountGemms() as counted, queue.collecting((0, 0)) if installed and deferring else contextlib.nullcontext():
+            loss.backward()
+        with _CountGemms() as at_w:
+            queue.run((0, 0))
+        counts.append((counted.forward, counted.backward, at_w.backward))
+    assert counts[0] == (1, 4, 0)
+    assert counts[1] == ((1, 2, 2) if deferring else (1, 4, 0))
+
+
 def test_gradients_accumulate_over_microbatches_like_autograds():
     """Two microbatches: the second W adds to the first's gradient (a first one is taken as is)."""
     reference, deferred, queue = _model(True, "none"), _model(True, "none"), WeightGradQueue()

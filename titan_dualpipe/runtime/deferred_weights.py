@@ -15,7 +15,7 @@ needs one autograd pass:
 So a checkpointed region is recomputed once, at ``I``, and its GEMM operands live from ``I``
 to ``W``. The schedule installs this on its stage modules (:func:`install`): each ``nn.Linear``
 whose class keeps ``nn.Linear.forward`` gets a subclass whose forward routes through
-:class:`_DeferrableLinear`; parameters, state dicts and hooks are untouched.
+:func:`deferrable_linear`; parameters, state dicts and hooks are untouched.
 
 Inside a ``torch.compile``'d region (``weight_gradients="deferred_compiled"``; under
 ``"deferred"`` a stage holding compiled modules runs its backward whole at ``I``) an
@@ -157,27 +157,78 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+class _OutputGrad:
+    """``dY`` of one deferrable ``F.linear`` call, handed from its GEMM's backward to its operands' node."""
+
+    __slots__ = ("grad_2d",)
+
+    def __init__(self) -> None:
+        self.grad_2d: torch.Tensor | None = None
+
+
+class _LinearOperands(torch.autograd.Function):
+    """The input of one deferrable ``F.linear`` call, passed on unchanged and saved for its
+    weight GEMM, whose gradient this node returns (or queues for ``W``).
+
+    It runs before the GEMM and saves its operand then, while the GEMM's node saves nothing: in
+    a checkpointed region's recomputation, torch stops at the last saved tensor (early stop), so
+    a region ending in a linear layer skips that layer's forward GEMM, as under plain autograd.
+    One node that computes and saves would save after its GEMM, which then always reruns (a
+    third of a Transformer block's recomputed GEMM work when the block ends in its MLP).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, queue: WeightGradQueue,
+                output_grad: _OutputGrad) -> torch.Tensor:
+        ctx.save_for_backward(input)
+        # The gradient goes to the parameter itself: a checkpointed region's saved tensors come
+        # back from its recomputation as detached aliases.
+        ctx.parameter, ctx.queue, ctx.output_grad = weight, queue, output_grad
+        ctx.set_materialize_grads(False)
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx, grad_input: torch.Tensor | None):
+        (input,) = ctx.saved_tensors
+        grad_2d, ctx.output_grad.grad_2d = ctx.output_grad.grad_2d, None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and grad_2d is not None:
+            grad_weight = _weight_gemm_or_queue(ctx.queue, ctx.parameter, grad_2d, input.reshape(-1, input.shape[-1]))
+        return grad_input, grad_weight, None, None
+
+
 class _DeferrableLinear(torch.autograd.Function):
-    """``F.linear`` whose weight GEMM waits for ``W`` when its backward runs inside an ``I``.
+    """``F.linear`` whose weight GEMM is left to its input's :class:`_LinearOperands` node:
+    this node computes ``dX = dY W`` and the bias gradient and hands ``dY`` on.
 
     The GEMMs are those autograd runs for ``F.linear`` (``dX = dY W``, ``dW = dY^T X`` on the
-    inputs flattened to 2-D), so a gradient computed at once equals autograd's.
+    inputs flattened to 2-D), so a gradient computed at once equals autograd's. Nothing is saved
+    here (the weight is a parameter, held as is), so a recomputation may stop before the GEMM.
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                queue: WeightGradQueue) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
-        # The gradient goes to the parameter itself: a checkpointed region's saved tensors come
-        # back from its recomputation as detached aliases.
-        ctx.parameter = weight
-        ctx.queue = queue
+                input_needs_grad: bool, output_grad: _OutputGrad) -> torch.Tensor:
+        ctx.weight, ctx.input_needs_grad, ctx.output_grad = weight, input_needs_grad, output_grad
+        ctx.input_shape = input.shape
         return F.linear(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _linear_grads(ctx, grad, lambda grad_2d, input_2d, _: _weight_gemm_or_queue(
-            ctx.queue, ctx.parameter, grad_2d, input_2d))
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        ctx.output_grad.grad_2d = grad_2d
+        grad_input = grad_2d.mm(ctx.weight).view(ctx.input_shape) if ctx.input_needs_grad else None
+        grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_input, None, grad_bias, None, None
+
+
+def deferrable_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      queue: WeightGradQueue) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` whose weight GEMM waits for ``W`` when its backward runs
+    inside an ``I`` (``weight`` needs a gradient)."""
+    output_grad = _OutputGrad()
+    operand = _LinearOperands.apply(input, weight, queue, output_grad)
+    return _DeferrableLinear.apply(operand, weight, bias, input.requires_grad, output_grad)
 
 
 def _linear_grads(ctx: Any, grad: torch.Tensor,
@@ -265,7 +316,7 @@ class _DeferrableLinearForward:
             if _is_dtensor(weight):  # no sharding rule for the operator: the GEMM stays in the graph
                 return F.linear(input, self.weight, self.bias)
             return _CompiledDeferrableLinear.apply(input, self.weight, self.bias, self._deferral_key)
-        return _DeferrableLinear.apply(input, self.weight, self.bias, self._weight_grad_queue)
+        return deferrable_linear(input, self.weight, self.bias, self._weight_grad_queue)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -276,7 +327,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 class _DeferringLinearCalls(TorchFunctionMode):
     """Routes the ``F.linear`` calls of one forward whose weight needs a gradient through
-    :class:`_DeferrableLinear`: an installed ``nn.Linear`` whose forward an instance attribute
+    :func:`deferrable_linear`: an installed ``nn.Linear`` whose forward an instance attribute
     replaced (torchtitan 0.3.0's ``Module.parallelize`` wraps it with input and output
     redistribution, around the forward the class had then)."""
 
@@ -290,7 +341,7 @@ class _DeferringLinearCalls(TorchFunctionMode):
             named = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
             input, weight, bias = named["input"], named["weight"], named.get("bias")
             if isinstance(weight, torch.Tensor) and weight.requires_grad:
-                return _DeferrableLinear.apply(input, weight, bias, self.queue)
+                return deferrable_linear(input, weight, bias, self.queue)
         return func(*args, **kwargs)
 
 
