@@ -217,8 +217,8 @@ class _DeferrableLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad_2d = grad.reshape(-1, grad.shape[-1])
         ctx.output_grad.grad_2d = grad_2d
-        grad_input = grad_2d.mm(ctx.weight).view(ctx.input_shape) if ctx.input_needs_grad else None
-        grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
+        grad_input, grad_bias = _input_and_bias_grads(grad_2d, ctx.weight, ctx.input_shape, ctx.input_needs_grad,
+                                                      ctx.needs_input_grad[2])
         return grad_input, None, grad_bias, None, None
 
 
@@ -231,15 +231,23 @@ def deferrable_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return _DeferrableLinear.apply(operand, weight, bias, input.requires_grad, output_grad)
 
 
+def _input_and_bias_grads(grad_2d: torch.Tensor, weight: torch.Tensor, input_shape: torch.Size, input_needs_grad: bool,
+                          bias_needs_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``F.linear``'s input gradient (``dX = dY W``, the GEMM autograd runs) and bias gradient from
+    the output gradient ``dY`` flattened to 2-D; None where not needed."""
+    grad_input = grad_2d.mm(weight).view(input_shape) if input_needs_grad else None
+    return grad_input, grad_2d.sum(0) if bias_needs_grad else None
+
+
 def _linear_grads(ctx: Any, grad: torch.Tensor,
-                  weight_grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]) -> tuple:
+                  weight_grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple:
     """``F.linear``'s gradients (input, weight, bias, and None for the extra argument) from the
     saved input and weight, with the GEMMs autograd runs (``dX = dY W``; ``dW = dY^T X`` on the
-    inputs flattened to 2-D, left to ``weight_grad(dY, X, W)``, which may return None: queued)."""
+    inputs flattened to 2-D, left to ``weight_grad(dY, X, W)``)."""
     input, weight = ctx.saved_tensors
     grad_2d = grad.reshape(-1, grad.shape[-1])
-    grad_input = grad_2d.mm(weight).view(input.shape) if ctx.needs_input_grad[0] else None
-    grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
+    grad_input, grad_bias = _input_and_bias_grads(grad_2d, weight, input.shape, ctx.needs_input_grad[0],
+                                                  ctx.needs_input_grad[2])
     grad_weight = weight_grad(grad_2d, input.reshape(-1, input.shape[-1]), weight) if ctx.needs_input_grad[1] else None
     return grad_input, grad_weight, grad_bias, None
 
