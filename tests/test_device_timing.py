@@ -218,6 +218,32 @@ def test_bench_titan_times_a_cpu_step_with_the_host_clock(fake_gpu):
     assert (fake_gpu.recorded, fake_gpu.syncs) == (0, 0)
 
 
+def test_bench_titan_charges_a_relayed_pairs_wait_to_the_half_that_waited():
+    """Inside a relayed pair each exchange wait is charged to the half that blocked: ``pair F``
+    for the forward half (the calling thread), ``pair B`` for the backward half (the helper
+    thread); outside a relay a pair's wait stays ``pair``, a lone action's its own kind."""
+    from titan_dualpipe.overlap.relay import hand_over, run_relayed
+
+    clock, stats = bench_probe._PhaseClock(), _Stats()
+    bench_probe._time_exposed(stats, clock)
+    clock.start_step("cpu")
+
+    def waits(times: int) -> None:
+        for _ in range(times):
+            hand_over()
+            stats.wait_until(0.0, lambda: time.sleep(0.001))
+
+    clock.action_kind = bench_probe.PAIR
+    run_relayed(lambda: waits(1), lambda: waits(2))
+    stats.wait_until(0.0, lambda: None)  # a pair whose module interleaves its halves itself
+    clock.action_kind = "lone F"
+    stats.wait_until(0.0, lambda: None)
+    charged = Counter(phase for phase, _, _ in clock.spans)
+    exposed = bench_probe.EXPOSED
+    assert charged == {f"{exposed}:pair F": 1, f"{exposed}:pair B": 2, f"{exposed}:pair": 1, f"{exposed}:lone F": 1}
+    assert clock.totals()[f"{exposed}:pair B"] >= 0.002
+
+
 def test_bench_titan_takes_the_trainers_device():
     assert bench_probe._device(types.SimpleNamespace(device=torch.device("cuda", 3))) == torch.device("cuda", 3)
     part = torch.nn.Linear(2, 2)

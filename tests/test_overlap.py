@@ -387,9 +387,9 @@ def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoin
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
     order = compute_order(schedule, cases.PP, n)
     halves_with_input_action = False
-    for rank, r in enumerate(results):  # 2 steps; FSDP2 stages run a split microbatch's backward whole
+    for rank, r in enumerate(results):  # 2 steps; a lone backward runs apart too, under FSDP2 as well
         split = lone_forwards(order[rank // cases.EP])
-        halved = 2 * (len(split) + (0 if fsdp else len(split - paired_backwards(order[rank // cases.EP]))))
+        halved = 2 * (len(split) + len(split - paired_backwards(order[rank // cases.EP])))
         assert r["split"] == 2 * len(split), results
         inputs = {(a.stage_index, a.microbatch_index) for a in order[rank // cases.EP]
                   if a is not None and a.computation_type == _compat.I and not placement(schedule, cases.PP, n).is_first(a.stage_index)}

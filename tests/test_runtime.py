@@ -514,7 +514,7 @@ def test_inductor_compiled_blocks_match_both_references(pool, schedule, compile_
 ])
 def test_two_batch_overlap_matches_reference(pool, schedule, pp, n, fsdp):
     """``two_batch_overlap="all"``: every lone forward runs its microbatch (2 rows) as two halves
-    (a relay; their backward too, where lone and not under FSDP2); losses and every gradient
+    (a relay; their backward too, where lone, under FSDP2 as well); losses and every gradient
     on every rank match the reference at RTOL/ATOL over two steps."""
     ran = _ran(pool.run(cases.two_batch_numerics, schedule=schedule, pp=pp, n=n, fsdp=fsdp))
     assert max(r["grad_err"] for r in ran) <= cases.ATOL

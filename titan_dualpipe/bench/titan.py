@@ -19,15 +19,17 @@ with, as in ``bench overlap``: a first 1F1B run times every MoE block's forward 
 and each of a block's four exchanges (dispatch and combine, forward and backward) then takes
 ``R * block / 4`` at the least. ``R = 1`` is DeepSeek-V3's ratio; ``R = 0`` adds nothing.
 torch's own ``ScheduleDualPipeV`` is the name ``TorchDualPipeV`` here (ours took "DualPipeV");
-it runs its overlapped pairs one after the other. The emulated network runs a group's exchanges
-in order, and a token-count exchange (a few integers) costs no time of its own: reading the
-counts, right after posting them as torchtitan does, waits only for the exchanges posted before
-it on the group. ``... counts handed over`` (on request) hands over to the partner half between
-posting and reading them, for comparison (:mod:`titan_dualpipe.titan.expert_overlap`).
+it runs its overlapped pairs one after the other. The emulated network runs each communicator's
+exchanges in order (one queue per process group). A token-count exchange (a few integers) runs
+on its own communicator (:mod:`titan_dualpipe.overlap.count_groups`; ``... shared count comm``
+on request puts it back on the expert-parallel group's) and costs the latency alone: reading the
+counts, right after posting them as torchtitan does, waits for that latency and for the count
+exchanges posted before it. ``... counts handed over`` (on request) hands over to the partner
+half between posting and reading them, for comparison (:mod:`titan_dualpipe.titan.expert_overlap`).
 
 The count exchange's wait counts as exposed on both devices alike: the wait for the counts and
-their copy to the host, which torchtitan's dispatch does at once (on a GPU the host blocks there
-while the compute stream waits for the exchange; the CUDA events around it hold that stall).
+their copy to the host (on a GPU the host waits on the pinned copy's event,
+:mod:`titan_dualpipe.overlap.count_read`, and the CUDA events around the read hold that stall).
 
 ``DualPipeV W at I`` / ``DualPipe W at I`` (on request) run each backward whole at its I with
 W a no-op (``TITAN_DUALPIPE_WEIGHT_GRADIENTS=whole``), beside the default that defers the weight
@@ -330,7 +332,9 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines + _exposed_by_action_table(schedules, width))
 
 
-EXPOSED_KINDS = ("lone F", "lone B", "lone I", "W", "pair", "outside our actions")
+# "pair F" / "pair B": a relayed pair's forward / backward half waited (for its own exchange, while
+# the partner half's segment ran); "pair": a pair whose module interleaves its halves itself
+EXPOSED_KINDS = ("lone F", "lone B", "lone I", "W", "pair F", "pair B", "pair", "outside our actions")
 
 
 def _exposed_by_action_table(schedules: dict[str, dict[str, Any]], width: int) -> list[str]:
@@ -339,10 +343,11 @@ def _exposed_by_action_table(schedules: dict[str, dict[str, Any]], width: int) -
             if set(s.get("exposed_by_action", {})) - {EXPOSED_KINDS[-1]}}
     if not ours:
         return []
+    kinds = [kind for kind in EXPOSED_KINDS if any(kind in by_kind for by_kind in ours.values())]
     lines = ["", "exposed all-to-all by the kind of action it falls in, ms per step, mean over ranks (our schedules)",
-             f"{'schedule':<{width}}" + "".join(f"{kind:>12}" for kind in EXPOSED_KINDS[:-1]) + f"{'outside':>12}"]
+             f"{'schedule':<{width}}" + "".join(f"{kind.replace(' our actions', ''):>12}" for kind in kinds)]
     for label, by_kind in ours.items():
-        lines.append(f"{label:<{width}}" + "".join(f"{by_kind.get(kind, 0.0) * 1e3:>12.0f}" for kind in EXPOSED_KINDS))
+        lines.append(f"{label:<{width}}" + "".join(f"{by_kind.get(kind, 0.0) * 1e3:>12.0f}" for kind in kinds))
     return lines
 
 

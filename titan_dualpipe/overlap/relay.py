@@ -184,6 +184,13 @@ def hand_over() -> None:
         relay.hand_over()
 
 
+def running_half() -> str | None:
+    """Which half of the running relayed pair this thread runs: "forward" (the calling thread) or
+    "backward" (the helper thread); None outside a pair."""
+    relay = _active
+    return None if relay is None else _HALF_NAMES[relay._half()]
+
+
 def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], None]) -> Relay:
     """Run both halves as a relay (see the module docstring); returns the finished relay."""
     global _active

@@ -19,10 +19,14 @@ How the halves run:
   together, through the concatenation, as an unsplit microbatch does.
 
 The microbatch's backward runs on the two halves when it has no partner either (``B``, ``I``,
-a first stage's deferred ``W``); the backward of a pair, and any backward of a stage under
-FSDP2 (whose hooks sit on the whole stage output), runs through both halves at once. Either
-way its input and weight gradients come in one backward: a split microbatch's ``I`` runs its
-whole backward and its ``W`` nothing (as for compiled stages, ``runtime/split_backward.py``).
+a first stage's deferred ``W``), under FSDP2 too: each half backpropagates through its own calls
+of the blocks, so FSDP2's backward hooks run per half, and the pipeline keeps the parameters
+gathered and the gradients unreduced through every backward of the step (torch's stage turns
+FSDP2's reshard and gradient sync off there; the gradients are reduced once, after the last W).
+The backward of a pair runs through both halves at once. The halves' weight GEMMs wait for the
+microbatch's ``W`` (deferred weight gradients); under ``weight_gradients="split"`` a split
+microbatch's ``I`` runs its whole backward and its ``W`` nothing, as for compiled stages
+(``runtime/split_backward.py``).
 Under FSDP2 the halves share each module call's all-gather
 (:func:`~titan_dualpipe.runtime.fsdp.gathered_for_both_halves`): a split microbatch posts as
 many all-gathers as the whole one.
@@ -58,7 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._compat import _Action, input_grads, module_forward_replaced, stage_backward_replaced
 from ..runtime.executor import StepExecutor
-from ..runtime.fsdp import fsdp_modules, gathered_for_both_halves
+from ..runtime.fsdp import gathered_for_both_halves
 from ..runtime.two_batch import register_halves_runner
 from .comm import warn_once_if_exchange_traced
 from .protocol import halves_implementation
@@ -187,9 +191,7 @@ def run_backward_in_halves(executor: StepExecutor, action: _Action, run: Callabl
 
 def _backward_apart(module: torch.nn.Module, device: torch.device) -> str | None:
     """How a split microbatch's backward runs on its halves: "protocol", "relay", or None for
-    through the concatenation (FSDP2 stages; relay modules with an accelerator)."""
-    if fsdp_modules(module):
-        return None
+    through the concatenation (relay modules with an accelerator)."""
     if halves_implementation(module) is not None:
         return "protocol"
     return "relay" if device.type == "cpu" else None

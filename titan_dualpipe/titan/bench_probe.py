@@ -8,8 +8,8 @@ Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the run
   (``EXCHANGE_S_ENV`` seconds, CPU only) and the time it leaves exposed is counted the same way
   for every schedule;
 - ``Trainer.train_step`` is timed, with the exposed exchange time of each step, in all and by
-  the kind of our action it falls in (lone F, lone B, lone I, W, pair; torch's schedules: all
-  outside our actions); the token-count exchange's wait counts too, the copy of the counts to
+  the kind of our action it falls in (lone F, lone B, lone I, W, and in a relayed pair the half
+  that waits: pair F, pair B; torch's schedules: all outside our actions); the token-count exchange's wait counts too, the copy of the counts to
   the host included (:func:`~titan_dualpipe.overlap.comm.count_exchange`);
 - with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
   (the compute an exchange is compared with: ``--comm-ratio``);
@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+from ..overlap.relay import running_half
 from ..runtime.timeline import CpuClock, StepClock, clock_for, span_seconds
 from ..switches import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
 from .generation import GEN
@@ -90,6 +91,7 @@ STEP, EXPOSED = "step", "exposed"  # spans besides the phases: the whole train s
 # our executor's compute actions -> the kind an exchange wait inside one is charged to
 ACTION_KINDS = {"FORWARD": "lone F", "FULL_BACKWARD": "lone B", "BACKWARD_INPUT": "lone I",
                 "BACKWARD_WEIGHT": "W", "OVERLAP_F_B": "pair"}
+PAIR = ACTION_KINDS["OVERLAP_F_B"]
 OUTSIDE = "outside our actions"  # torch's executor, or between our actions
 
 
@@ -129,7 +131,17 @@ def _time_exposed(stats: Any, clock: _PhaseClock) -> None:
     """Time every exchange wait on the step's clock, charged to the kind of our action it falls
     in (a relay's helper thread waits inside its pair): on a GPU the wait only makes the compute
     stream wait, so the exposed time is that stream's stall, not the host's time in the call."""
-    stats.wait_until = clock.timed(lambda *_: f"{EXPOSED}:{clock.action_kind or OUTSIDE}", stats.wait_until)
+    stats.wait_until = clock.timed(lambda *_: f"{EXPOSED}:{_wait_kind(clock.action_kind)}", stats.wait_until)
+
+
+def _wait_kind(action_kind: str | None) -> str:
+    """What an exchange wait is charged to: the action kind, and in a relayed pair the half that
+    waits (``pair F``: the forward half waits for its exchange while the backward half's segment
+    ran; ``pair B``: the other way round)."""
+    if action_kind is None:
+        return OUTSIDE
+    half = running_half() if action_kind == PAIR else None
+    return f"{PAIR} {half[0].upper()}" if half else action_kind
 
 
 def _record_step(record: _Record, totals: Counter[str]) -> None:
