@@ -161,7 +161,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             for o, r in runs.items()}
     result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0, "fused_pairs": 0,
               "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0,
-              "deferred_expert_gemms": 0, "deferred_linear_gemms": 0}
+              "deferred_expert_gemms": 0, "deferred_linear_gemms": 0, "weight_gemms_in_flight": 0}
     for step in range(steps):
         want = []
         for d in range(EP):
@@ -179,6 +179,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
             result["deferred_expert_gemms"] += sched.weight_queue.ran_kinds["experts"]
             result["deferred_linear_gemms"] += sched.weight_queue.ran_kinds["linear"]
+            result["weight_gemms_in_flight"] += sched.weight_queue.ran_in_flight if overlap else 0
             raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
             _average_over_data_shards(modules, fsdp)
             result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))

@@ -282,9 +282,12 @@ def test_moe_pipeline_with_fsdp2(pool, schedule, n, checkpoint):
     ("DualPipeV", 4, False, False), ("DualPipe", 4, True, False), ("DualPipeV", 5, True, True),
 ])
 def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, schedule, n, checkpoint, fsdp):
-    """The MoE module without its protocol: pairs run as a relay switching at its exchanges."""
+    """The MoE module without its protocol: pairs run as a relay switching at its exchanges. Full
+    backwards run their weight GEMMs while their exchanges fly, with the same gradients bit for bit
+    (``overlap=False`` runs them there too)."""
     results = pool.run(cases.moe_numerics, schedule=schedule, n=n, checkpoint=checkpoint, fsdp=fsdp, relay=True)
     _check_numerics(results, schedule, n, relay=True)
+    assert all(r["weight_gemms_in_flight"] > 0 for r in results), results
 
 
 @pytest.mark.parametrize("schedule,relay", [("DualPipeV", True), ("DualPipe", True), ("DualPipeV", False)])

@@ -60,7 +60,7 @@ from typing import Any
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
 from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_GROUPS_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV,
-                        TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV)
+                        TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHTS_IN_FLIGHT_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -78,6 +78,7 @@ class Variant:
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
     two_batch: bool = False  # True: lone forwards of MoE stages run in halves (needs microbatches of >= 2 rows)
     weight_gradients: str | None = None  # our schedules' weight_gradients (None: the config's, deferred by default)
+    weights_in_flight: bool = True  # False: a full backward computes its weight GEMMs inline, not while its exchanges fly
 
 
 VARIANTS = (
@@ -100,11 +101,15 @@ VARIANTS = (
     # each backward whole at I (W a no-op): what deferring the weight GEMMs to W gains, e.g. under AC
     Variant("DualPipeV W at I", "DualPipeV", overlap=True, weight_gradients="whole"),
     Variant("DualPipe W at I", "DualPipe", overlap=True, weight_gradients="whole"),
+    # a full backward's weight GEMMs inline, before each exchange is posted (runtime/in_flight.py)
+    Variant("DualPipeV W inline", "DualPipeV", overlap=True, weights_in_flight=False),
+    Variant("DualPipe W inline", "DualPipe", overlap=True, weights_in_flight=False),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
 DEFAULT_LABELS = [v.label for v in VARIANTS
-                  if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups)]
+                  if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups
+                          or not v.weights_in_flight)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -125,7 +130,7 @@ OPTIONS: dict[str, dict] = {
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
-                             "'... shared count comm', '... two-batch' and '... W at I')"),
+                             "'... shared count comm', '... two-batch', '... W at I' and '... W inline')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
@@ -213,7 +218,8 @@ class Launcher:
         argv += list(COMPILE_OVERRIDES) if variant.compiled else []
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
-               TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0"}
+               TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0",
+               WEIGHTS_IN_FLIGHT_ENV: "1" if variant.weights_in_flight else "0"}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)

@@ -78,6 +78,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 
 from .._compat import PrivateThreadState, private_thread_state, private_thread_state_entered, torch_function_bypassed
+from ..runtime.in_flight import run_work_in_flight
 
 _RngStates = list[tuple[torch.Generator, torch.Tensor]]
 
@@ -178,7 +179,10 @@ def _pair_over() -> None:
 
 def hand_over() -> None:
     """Let the partner half of the running pair compute (call right after posting an
-    exchange, before waiting on it); does nothing outside a pair."""
+    exchange, before waiting on it); does nothing outside a pair. First runs the work a full
+    backward set aside for its exchanges' flight (:mod:`titan_dualpipe.runtime.in_flight`: its
+    queued weight GEMMs), in a pair or not."""
+    run_work_in_flight()
     relay = _active
     if relay is not None:
         relay.hand_over()

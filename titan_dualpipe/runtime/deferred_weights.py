@@ -79,6 +79,7 @@ class WeightGradQueue:
         self.ran: Counter[int] = Counter()  # weight GEMMs run at W this step, by stage
         self.ran_kinds: Counter[str] = Counter()  # ... by kind ("linear", "experts")
         self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
+        self.ran_in_flight = 0  # full backwards' weight GEMMs run while their exchanges flew, this step
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> "WeightGradQueue":
@@ -86,7 +87,7 @@ class WeightGradQueue:
 
     def __getstate__(self) -> dict:
         return {"target": None, "_pending": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(),
-                "on_hold": None}
+                "ran_in_flight": 0, "on_hold": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -113,14 +114,19 @@ class WeightGradQueue:
             self._pending.setdefault(key, []).append((operand, gemm, kind, handle))
         return True
 
-    def run(self, key: Key) -> int:
-        """Run ``key``'s queued GEMMs (its ``W``); how many ran. A parameter's gradient is added to
-        its ``.grad``; a computed operand's flows back through its graph, one autograd call for all."""
+    def run(self, key: Key, at_weight: bool = True) -> int:
+        """Run ``key``'s queued GEMMs (its ``W``; ``at_weight=False``: a full backward's, while its
+        exchanges fly, counted apart in ``ran_in_flight``); how many ran. A parameter's gradient is
+        added to its ``.grad``; a computed operand's flows back through its graph, one autograd
+        call for all."""
         with self._lock:
             gemms = self._pending.pop(key, [])
+        if not at_weight:
+            self.ran_in_flight += len(gemms)
         through_graph: list[tuple[torch.Tensor, torch.Tensor]] = []
         for operand, gemm, kind, _ in gemms:
-            self.ran_kinds[kind] += 1
+            if at_weight:
+                self.ran_kinds[kind] += 1
             grad = gemm()
             if operand.is_leaf:
                 _accumulate(operand, grad)
@@ -128,8 +134,9 @@ class WeightGradQueue:
                 through_graph.append((operand, grad))
         if through_graph:
             torch.autograd.backward([o for o, _ in through_graph], [g for _, g in through_graph])
-        self.ran[key[0]] += len(gemms)
-        self.ran_microbatches[key] += len(gemms)
+        if at_weight:
+            self.ran[key[0]] += len(gemms)
+            self.ran_microbatches[key] += len(gemms)
         return len(gemms)
 
     def pending(self) -> dict[Key, int]:
@@ -142,6 +149,7 @@ class WeightGradQueue:
         self.ran.clear()
         self.ran_kinds.clear()
         self.ran_microbatches.clear()
+        self.ran_in_flight = 0
         self.target = None
 
 

@@ -59,6 +59,7 @@ from .._compat import (
 )
 from .failures import PeerFailed, peer_failed, record
 from .fsdp import fsdp_modules, unshard_all
+from .in_flight import work_while_exchanges_fly
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
 from ..orders.two_batch import lone_forwards
@@ -288,7 +289,9 @@ class StepExecutor:
             self.backward_at_weight.add((s, mb))
             return
         how = "whole" if action.computation_type == B else self.split.at_input(s, mb)
-        if how == "deferred":  # full backward; the weight GEMMs wait in the queue for W, which counts it
+        if action.computation_type == B and s in self.split.deferred_stages and self.schedule.weights_in_flight:
+            self._full_backward_with_weights_in_flight(stage, s, mb)
+        elif how == "deferred":  # full backward; the weight GEMMs wait in the queue for W, which counts it
             with self.schedule.weight_queue.collecting((s, mb)):
                 stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=False)
             self._backward_done(s, mb)
@@ -307,6 +310,24 @@ class StepExecutor:
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    def _full_backward_with_weights_in_flight(self, stage: Any, s: int, mb: int) -> None:
+        """A full backward of a deferring stage: its weight GEMMs queue as at an ``I`` and run
+        while its exchanges fly (:mod:`.in_flight`), the rest at its end. The stage's last
+        backward of the step computes them inline: torch reduces the gradients at its end."""
+        last = self.count_backward(s)
+        if last:
+            stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=True)
+        else:
+            queue, key = self.schedule.weight_queue, (s, mb)
+
+            def run_queued() -> None:
+                queue.run(key, at_weight=False)
+
+            with queue.collecting(key), work_while_exchanges_fly(run_queued):
+                stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=False)
+            run_queued()
+        self._backward_done(s, mb)
 
     def run_weight(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index

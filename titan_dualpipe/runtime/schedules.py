@@ -10,6 +10,7 @@ action (``_create_pair_communicators``), so none is created lazily mid-schedule.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
@@ -47,6 +48,7 @@ from .p2p import local_tensor, swap, with_layout_of
 from .two_batch import two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
+from ..switches import WEIGHTS_IN_FLIGHT_ENV
 from .deferred_weights import DEFERRING_MODES, WeightGradQueue, install, uninstall, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
@@ -175,6 +177,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
         self.weight_gradients = mode
         self.weight_queue = WeightGradQueue()
+        # a full backward of a deferring stage runs its weight GEMMs while its exchanges fly
+        # (runtime/in_flight.py); "0" computes them inline, for comparison
+        self.weights_in_flight = os.environ.get(WEIGHTS_IN_FLIGHT_ENV, "1") != "0"
         self.deferred_weights: dict[int, list[str]] = {}
         compiled = mode == "deferred_compiled"
         # stages a static rule keeps whole at I (torch.compile'd modules), unless they defer
