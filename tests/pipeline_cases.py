@@ -652,7 +652,8 @@ def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) 
     sched = built[0]
     layers = {s.stage_index: sorted(s.submod.layers) for s in sched._stages}
     return {**result, "whole_at_input": sorted(sched.whole_backwards), "layers": layers,
-            "deferred_gemms": dict(sched.weight_queue.ran), "recomputes": dict(_block_recomputes),
+            "deferred_gemms": dict(sched.weight_queue.ran), "in_flight_gemms": sched.weight_queue.ran_in_flight,
+            "in_flight_stages": sorted(sched.weights_in_flight_stages), "recomputes": dict(_block_recomputes),
             "linears": {s.stage_index: len(sched.deferred_weights.get(s.stage_index, [])) for s in sched._stages},
             "deferred_names": dict(sched.deferred_weights),
             "linear_modules": {s.stage_index: sum(isinstance(m, torch.nn.Linear) for m in s.submod.modules())

@@ -423,3 +423,21 @@ def test_a_full_backward_runs_its_weight_gemms_while_its_exchange_flies():
             assert torch.equal(p.grad, q.grad)
     run_work_in_flight()  # outside the block: nothing set aside
     assert log[-1] == "W x1"
+
+
+def test_only_a_pairs_backward_half_runs_the_work_in_flight():
+    """In a relayed pair the forward half's exchanges leave the backward's queued GEMMs alone (it
+    may be inside an activation-checkpointed region); the backward half's run them, and so does an
+    exchange outside any pair."""
+    import threading
+
+    from titan_dualpipe.overlap.relay import hand_over, run_relayed
+    from titan_dualpipe.runtime.in_flight import work_while_exchanges_fly
+
+    ran: list[str] = []
+    with work_while_exchanges_fly(lambda: ran.append(threading.current_thread().name)):
+        run_relayed(lambda: (hand_over(), hand_over()), hand_over)
+        assert ran == ["titan_dualpipe-backward-half"]
+        hand_over()
+    hand_over()
+    assert ran == ["titan_dualpipe-backward-half", threading.current_thread().name]

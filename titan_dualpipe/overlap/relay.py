@@ -181,9 +181,11 @@ def hand_over() -> None:
     """Let the partner half of the running pair compute (call right after posting an
     exchange, before waiting on it); does nothing outside a pair. First runs the work a full
     backward set aside for its exchanges' flight (:mod:`titan_dualpipe.runtime.in_flight`: its
-    queued weight GEMMs), in a pair or not."""
-    run_work_in_flight()
+    queued weight GEMMs), outside a pair or in its backward half (the thread whose state that
+    backward runs in; a forward half may be inside an activation-checkpointed region)."""
     relay = _active
+    if relay is None or relay._half() == BACKWARD:
+        run_work_in_flight()
     if relay is not None:
         relay.hand_over()
 

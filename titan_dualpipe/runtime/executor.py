@@ -289,7 +289,7 @@ class StepExecutor:
             self.backward_at_weight.add((s, mb))
             return
         how = "whole" if action.computation_type == B else self.split.at_input(s, mb)
-        if action.computation_type == B and s in self.split.deferred_stages and self.schedule.weights_in_flight:
+        if action.computation_type == B and s in self.schedule.weights_in_flight_stages:
             self._full_backward_with_weights_in_flight(stage, s, mb)
         elif how == "deferred":  # full backward; the weight GEMMs wait in the queue for W, which counts it
             with self.schedule.weight_queue.collecting((s, mb)):
@@ -312,9 +312,10 @@ class StepExecutor:
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
     def _full_backward_with_weights_in_flight(self, stage: Any, s: int, mb: int) -> None:
-        """A full backward of a deferring stage: its weight GEMMs queue as at an ``I`` and run
-        while its exchanges fly (:mod:`.in_flight`), the rest at its end. The stage's last
-        backward of the step computes them inline: torch reduces the gradients at its end."""
+        """A full backward of a deferring stage that posts exchanges: its weight GEMMs queue as at
+        an ``I`` and run while its exchanges fly (:mod:`.in_flight`), the rest at its end. The
+        stage's last backward of the step computes them inline: torch reduces the gradients at
+        its end."""
         last = self.count_backward(s)
         if last:
             stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=True)

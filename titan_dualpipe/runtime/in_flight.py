@@ -8,9 +8,10 @@ queued so far run while the exchange travels instead of before it was posted. In
 the backward half's exchange is then hidden by its own weight GEMMs and the forward half's
 segment, where the forward's segment alone (half the compute of a backward's) falls short.
 
-The runtime sets the work (:meth:`~titan_dualpipe.runtime.executor.StepExecutor.run_backward`);
-the overlap layer runs it. The work is one module-level slot, not thread-local: a relayed pair
-runs its halves on two threads, one at a time, and either half's exchange may run it.
+The runtime sets the work (:meth:`~titan_dualpipe.runtime.executor.StepExecutor.run_backward`,
+for the stages that post exchanges); the overlap layer runs it. The work is one module-level
+slot, not thread-local: autograd may run a backward's nodes on a device thread of its own, and
+a relayed pair runs its backward half on a helper thread. A pair's forward half leaves it alone.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from .executor import StepExecutor
 from .failures import record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
-from .two_batch import two_batch_stages
+from .two_batch import has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from ..switches import WEIGHTS_IN_FLIGHT_ENV
@@ -177,9 +177,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
         self.weight_gradients = mode
         self.weight_queue = WeightGradQueue()
-        # a full backward of a deferring stage runs its weight GEMMs while its exchanges fly
-        # (runtime/in_flight.py); "0" computes them inline, for comparison
-        self.weights_in_flight = os.environ.get(WEIGHTS_IN_FLIGHT_ENV, "1") != "0"
+
         self.deferred_weights: dict[int, list[str]] = {}
         compiled = mode == "deferred_compiled"
         # stages a static rule keeps whole at I (torch.compile'd modules), unless they defer
@@ -193,6 +191,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             else:
                 uninstall(module)
         self.deferred_weight_stages = frozenset(self.deferred_weights)
+        # a full backward of a deferring stage that posts expert-parallel exchanges runs its weight
+        # GEMMs while they fly (runtime/in_flight.py); elsewhere (and under "0") inline
+        in_flight = os.environ.get(WEIGHTS_IN_FLIGHT_ENV, "1") != "0"
+        self.weights_in_flight_stages = frozenset(
+            s.stage_index for s in self._stages
+            if in_flight and s.stage_index in self.deferred_weight_stages and has_exchanges(s.submod))
         # Stages whose backward runs whole at I (W a no-op) by a static rule: those that do not defer
         # ("deferred_compiled": one compiled backward at I). Forwards that run activation-checkpoint
         # regions add their microbatches step by step (runtime/split_backward.py).
