@@ -34,7 +34,7 @@ from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_
 from titan_dualpipe.orders import compute_order
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.switches import (FOLD_ENV, NOT_DEFERRED_ENV, TEST_KILL_ENV, TEST_PROBE_ENV, TWO_BATCH_ENV,
-                                     WEIGHT_GRADIENTS_ENV)
+                                     WEIGHT_GRADIENTS_ENV, WEIGHTS_IN_FLIGHT_ENV)
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1010,6 +1010,13 @@ def test_weight_gradient_switches_reach_the_schedule_built(field, env, names, ex
             monkeypatch.setenv(var, value)
     built = _built_with(monkeypatch, *(["--dualpipe.weight-gradients", field] if field else []))
     assert (built.kwargs["weight_gradients"], built.kwargs["not_deferred"]) == expected
+    assert built.kwargs["weights_in_flight"] is True
+    monkeypatch.setenv(WEIGHTS_IN_FLIGHT_ENV, "0")
+    assert _built_with(monkeypatch).kwargs["weights_in_flight"] is False
+    monkeypatch.setenv(WEIGHTS_IN_FLIGHT_ENV, "no")
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT='no': use 1 .* or 0 \(inline\)"):
+        _built_with(monkeypatch)
+    monkeypatch.delenv(WEIGHTS_IN_FLIGHT_ENV)
     monkeypatch.setenv(WEIGHT_GRADIENTS_ENV, "later")
     with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GRADIENTS='later': use one of deferred, deferred_compiled, split, whole"):
         _built_with(monkeypatch)

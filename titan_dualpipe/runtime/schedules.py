@@ -10,7 +10,6 @@ action (``_create_pair_communicators``), so none is created lazily mid-schedule.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
@@ -48,7 +47,6 @@ from .p2p import local_tensor, swap, with_layout_of
 from .two_batch import has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
-from ..switches import WEIGHTS_IN_FLIGHT_ENV
 from .deferred_weights import DEFERRING_MODES, WeightGradQueue, install, uninstall, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
@@ -89,6 +87,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       (docs/compile.md: measured slower on CPU than whole at ``I``).
     - ``not_deferred``: module names (``fnmatch`` patterns or module paths inside a stage module)
       whose weight GEMMs are not deferred; ``deferred_weights[stage_index]`` lists those that are.
+    - ``weights_in_flight`` (default True): a full backward (``B``, a pair's backward) of a
+      deferring stage that posts expert-parallel exchanges queues its weight GEMMs too, and each
+      exchange it posts runs those queued so far while it travels
+      (:mod:`titan_dualpipe.runtime.in_flight`); False computes them inline. Same gradients.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -114,6 +116,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         two_batch_overlap: bool | str = False,
         weight_gradients: str = "deferred",
         not_deferred: Sequence[str] = (),
+        weights_in_flight: bool = True,
         record_timeline: bool = False,
     ) -> None:
         weight_gradients_problem(weight_gradients, not_deferred)
@@ -132,7 +135,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._init_step_state(defer_pp_recv)
         self._map_stages_to_ranks()
         self._choose_how_actions_run(overlap, split_stages, record_timeline)
-        self._choose_weight_gradients(weight_gradients, not_deferred)
+        self._choose_weight_gradients(weight_gradients, not_deferred, weights_in_flight)
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
@@ -173,7 +176,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
 
-    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str]) -> None:
+    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], weights_in_flight: bool = True) -> None:
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
         self.weight_gradients = mode
         self.weight_queue = WeightGradQueue()
@@ -192,11 +195,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                 uninstall(module)
         self.deferred_weight_stages = frozenset(self.deferred_weights)
         # a full backward of a deferring stage that posts expert-parallel exchanges runs its weight
-        # GEMMs while they fly (runtime/in_flight.py); elsewhere (and under "0") inline
-        in_flight = os.environ.get(WEIGHTS_IN_FLIGHT_ENV, "1") != "0"
+        # GEMMs while they fly (runtime/in_flight.py); elsewhere inline
         self.weights_in_flight_stages = frozenset(
             s.stage_index for s in self._stages
-            if in_flight and s.stage_index in self.deferred_weight_stages and has_exchanges(s.submod))
+            if weights_in_flight and s.stage_index in self.deferred_weight_stages and has_exchanges(s.submod))
         # Stages whose backward runs whole at I (W a no-op) by a static rule: those that do not defer
         # ("deferred_compiled": one compiled backward at I). Forwards that run activation-checkpoint
         # regions add their microbatches step by step (runtime/split_backward.py).

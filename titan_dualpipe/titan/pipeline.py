@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..switches import COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV
+from ..switches import COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHTS_IN_FLIGHT_ENV
 from . import fold
 from .config_check import Plan, our_schedule
 from .generation import GEN
@@ -241,7 +241,8 @@ def weight_gradient_options() -> dict[str, Any]:
     """Our schedules' ``weight_gradients`` and ``not_deferred``: the config's (0.3.0:
     ``--dualpipe.weight-gradients``, ``--dualpipe.not-deferred``; 0.2.2: the defaults), with
     ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` taking precedence and ``TITAN_DUALPIPE_NOT_DEFERRED``
-    (comma-separated) adding names."""
+    (comma-separated) adding names; ``TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT=0`` sets
+    ``weights_in_flight=False``."""
     from ..runtime.deferred_weights import WEIGHT_GRADIENT_MODES
 
     mode = os.environ.get(WEIGHT_GRADIENTS_ENV, "") or ACTIVE.weight_gradients
@@ -249,7 +250,11 @@ def weight_gradient_options() -> dict[str, Any]:
         where = f"{WEIGHT_GRADIENTS_ENV}={mode!r}" if os.environ.get(WEIGHT_GRADIENTS_ENV) else f"weight_gradients={mode!r}"
         raise ValueError(f"{where}: use one of {', '.join(WEIGHT_GRADIENT_MODES)} (deferred is the default)")
     extra = [name.strip() for name in os.environ.get(NOT_DEFERRED_ENV, "").split(",") if name.strip()]
-    return {"weight_gradients": mode, "not_deferred": [*ACTIVE.not_deferred, *extra]}
+    in_flight = os.environ.get(WEIGHTS_IN_FLIGHT_ENV, "") or "1"
+    if in_flight not in ("0", "1"):
+        raise ValueError(f"{WEIGHTS_IN_FLIGHT_ENV}={in_flight!r}: use 1 (a full backward's weight GEMMs run while "
+                         "its exchanges fly, the default) or 0 (inline)")
+    return {"weight_gradients": mode, "not_deferred": [*ACTIVE.not_deferred, *extra], "weights_in_flight": in_flight == "1"}
 
 
 def _weight_gradients_note(schedule: Any) -> str:
