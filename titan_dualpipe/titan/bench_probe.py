@@ -9,8 +9,9 @@ Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the run
   for every schedule;
 - ``Trainer.train_step`` is timed, with the exposed exchange time of each step, in all and by
   the kind of our action it falls in (lone F, lone B, lone I, W, and in a relayed pair the half
-  that waits: pair F, pair B; torch's schedules: all outside our actions); the token-count exchange's wait counts too, the copy of the counts to
-  the host included (:func:`~titan_dualpipe.overlap.comm.count_exchange`);
+  that waits: pair F, pair B; torch's schedules: all outside our actions); the token-count
+  exchange's wait counts too, the copy of the counts to the host included
+  (:func:`~titan_dualpipe.overlap.comm.count_exchange`);
 - with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
   (the compute an exchange is compared with: ``--comm-ratio``);
 - each step is split into phases (seconds on this rank; on a GPU measured with CUDA events on
