@@ -339,7 +339,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 # "pair F" / "pair B": a relayed pair's forward / backward half waited (for its own exchange, while
-# the partner half's segment ran); "pair": a pair whose module interleaves its halves itself
+# the partner half's segment ran); "pair": a pair whose module interleaves its halves itself, or
+# whose forward posted no exchange (its backward then runs after it, unpartnered)
 EXPOSED_KINDS = ("lone F", "lone B", "lone I", "W", "pair F", "pair B", "pair", "outside our actions")
 
 

@@ -176,11 +176,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
 
-    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], weights_in_flight: bool = True) -> None:
+    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], weights_in_flight: bool) -> None:
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
         self.weight_gradients = mode
         self.weight_queue = WeightGradQueue()
-
         self.deferred_weights: dict[int, list[str]] = {}
         compiled = mode == "deferred_compiled"
         # stages a static rule keeps whole at I (torch.compile'd modules), unless they defer
