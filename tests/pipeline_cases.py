@@ -94,6 +94,36 @@ def numerics(schedule: str, pp: int, n: int, *, defer_pp_recv: bool = False, fsd
     return train_and_compare(schedule, pp, n, group, pp_rank, **kwargs)
 
 
+def schedules_over_shared_modules(schedule: str, pp: int, n: int) -> dict | None:
+    """Three schedules over the same stage modules: deferring (the first built and the last),
+    and torch's split. Each one's step, in the order A, split, A, B, defers its weight GEMMs (or
+    not) and matches the reference. By stepped schedule: the worst gradient error and the GEMMs
+    its W ran from its own queue."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    reference, modules, first = build_pipeline(schedule, pp, n, group, rank)
+    place = first.placement
+
+    def built(**kwargs):
+        stages = [PipelineStage(modules[s], s, place.num_stages, "cpu", group=group) for s in place.stages_of(rank)]
+        return SCHEDULES[schedule](stages, n, loss_fn=lm_loss, **kwargs)
+
+    schedules = {"A": first, "split": built(weight_gradients="split"), "B": built()}
+    x, y = batch(0, n)
+    out: dict[str, list] = {"grad_err": [], "deferred_gemms": []}
+    for name in ("A", "split", "A", "B"):
+        for model in (reference, *modules.values()):
+            model.zero_grad(set_to_none=True)
+        sched = schedules[name]
+        sched.step(x, target=y) if place.feeds_batch(rank) else sched.step()
+        reference_step(reference, x, y, n, scale_grads=True)
+        out["grad_err"].append((name, _check_grads(modules, reference, f"{name} over shared modules")))
+        out["deferred_gemms"].append((name, sum(sched.weight_queue.ran.values())))
+    return out
+
+
 def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     """eval(): forward only, outputs and losses equal the reference forward."""
     rank = dist.get_rank()

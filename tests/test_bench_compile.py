@@ -54,3 +54,22 @@ def test_bad_options_are_named(change, named):
            "backend": "aot_eager", "threads": 1} | change
     with pytest.raises(ValueError, match=named):
         check_config(cfg)
+
+
+def test_a_cuda_group_of_one_is_bound_to_an_indexed_device(monkeypatch):
+    """NCCL's eager init (``device_id``) needs a device with an index; ``--device cuda`` gives none."""
+    import torch
+    import torch.distributed as dist
+
+    from titan_dualpipe.bench.compile import one_rank_group
+
+    calls: dict = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=device))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.update(destroyed=True))
+    with one_rank_group(torch.device("cuda")):
+        pass
+    assert calls["backend"] == "nccl" and calls["device_id"] == torch.device("cuda", 3), calls
+    assert calls["set_device"] == torch.device("cuda", 3) and calls["destroyed"], calls

@@ -88,6 +88,18 @@ def test_overlapped_pairs_bitwise_equal_sequential_and_timeline(pool, schedule, 
     assert all(r["values_compared"] > 0 and r["timed_actions"] > 0 for r in ran)
 
 
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 4, 8)])
+def test_schedules_over_the_same_modules_each_route_their_own_weight_gradients(pool, schedule, pp, n):
+    """A schedule built later over the same modules (an eval schedule, a baseline) must not take
+    over the deferred GEMMs of the first, nor leave our nodes in torch's split W."""
+    ran = _ran(pool.run(cases.schedules_over_shared_modules, schedule=schedule, pp=pp, n=n))
+    for r in ran:
+        assert [name for name, _ in r["grad_err"]] == ["A", "split", "A", "B"]
+        assert all(err <= cases.ATOL for _, err in r["grad_err"]), r
+    a, split, a_again, b = (sum(r["deferred_gemms"][i][1] for r in ran) for i in range(4))  # over the ranks
+    assert a > 0 and split == 0 and a_again == a and b == a, ran
+
+
 @pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
 def test_eval_forward_only(pool, schedule, pp, n):
     ran = _ran(pool.run(cases.eval_matches_reference, schedule=schedule, pp=pp, n=n))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import socket
 import threading
@@ -322,6 +323,16 @@ def test_bench_overlap_runs_on_this_device():
     result = measure(cfg)
     for name in ("overlap", "overlap_relay", "sequential", "torch_dualpipev"):
         assert result[f"step_time_{name}"] > 0 and result[f"exposed_comm_{name}"] >= 0
+
+
+def test_bench_compile_runs_on_this_device(capsys):
+    """The backward split benchmark, (I+W)/full (the GPU kit's ``bench compile`` part is a larger run)."""
+    from titan_dualpipe.cli import main
+
+    assert main(["bench", "compile", "--device", DEVICE.type, "--backend", "aot_eager", "--blocks", "2", "--dim", "16",
+                 "--tokens", "16", "--seq", "8", "--microbatches", "2", "--rounds", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert all(row["full_s"] > 0 for row in rows if row["variant"] == "full"), rows
 
 
 def _queue_delay(seconds: float):

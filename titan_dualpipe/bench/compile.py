@@ -116,6 +116,8 @@ def one_rank_group(device: torch.device = torch.device("cpu")) -> Iterator[None]
         yield
         return
     if device.type == "cuda":
+        if device.index is None:  # init_process_group's device_id needs an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     else:

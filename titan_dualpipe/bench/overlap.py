@@ -249,22 +249,24 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
 
 
 def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
-    """Ours with and without overlap and two-batch overlap, and torch's V schedules: all on the
-    same modules, so on the same weights."""
+    """Ours with and without overlap and two-batch overlap on the same modules, and torch's V
+    schedules on a copy of them (the same weights, without our deferrable layers)."""
     from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
     from .. import ScheduleDualPipeV
     from .._compat import runnable_on_gloo
 
-    modules, feeds = parts.v_modules(), parts.pp_rank == 0
+    modules, torch_modules, feeds = parts.v_modules(), parts.v_modules(), parts.pp_rank == 0
     return {
         "overlap": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True), feeds),
         "overlap_two_batch": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True,
                                                 two_batch_overlap=True), feeds),
         "sequential": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=False), feeds),
-        "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(parts.stages(modules), n, loss_fn=lm_loss)), feeds),
-        "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(parts.stages(modules), n, loss_fn=lm_loss)), feeds),
+        "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(parts.stages(torch_modules), n, loss_fn=lm_loss)),
+                            feeds),
+        "torch_zbv": (runnable_on_gloo(ScheduleZBVZeroBubble(parts.stages(torch_modules), n, loss_fn=lm_loss)),
+                      feeds),
     }
 
 

@@ -455,6 +455,12 @@ def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = 
     return list(modules)
 
 
+def routed_to(module: nn.Module, names: Iterable[str], queue: WeightGradQueue) -> bool:
+    """Whether each of ``module``'s modules ``names`` (as :func:`install` returned them) is
+    installed and routes its GEMMs through ``queue``."""
+    return all(getattr(module.get_submodule(name), "_weight_grad_queue", None) is queue for name in names)
+
+
 def _deferring_instance_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An installed module's instance-level forward: the one it had, its GEMMs routed as the
     mixin's forward routes them (a bound method, so a deep copy calls the copy's forward)."""

@@ -47,7 +47,8 @@ from .p2p import local_tensor, swap, with_layout_of
 from .two_batch import has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
-from .deferred_weights import DEFERRING_MODES, WeightGradQueue, install, uninstall, weight_gradients_problem
+from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, install, routed_to, uninstall,
+                               weight_gradients_problem)
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
@@ -193,6 +194,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             else:
                 uninstall(module)
         self.deferred_weight_stages = frozenset(self.deferred_weights)
+        self._deferral_settings = (list(not_deferred), compiled)
         # a full backward of a deferring stage that posts expert-parallel exchanges runs its weight
         # GEMMs while they fly (runtime/in_flight.py); elsewhere inline
         self.weights_in_flight_stages = frozenset(
@@ -202,6 +204,19 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         # ("deferred_compiled": one compiled backward at I). Forwards that run activation-checkpoint
         # regions add their microbatches step by step (runtime/split_backward.py).
         self.whole_backward_stages = kept_whole - self.deferred_weight_stages
+
+    def _route_weight_gradients(self) -> None:
+        """Point the deferring stages' modules at this schedule's queue, and give the other stages'
+        modules their own classes back. Another schedule built over the same modules (an eval
+        schedule, a benchmark's baseline) installs them for itself: left so, this schedule's
+        GEMMs would run inline at I, and torch's W would meet our nodes."""
+        not_deferred, compiled = self._deferral_settings
+        for stage in self._stages:
+            names = self.deferred_weights.get(stage.stage_index)
+            if names is None:
+                uninstall(stage.submod)
+            elif not routed_to(stage.submod, names, self.weight_queue):
+                install(stage.submod, self.weight_queue, not_deferred, compiled)
 
     def _folds_twins(self) -> bool:
         """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""
@@ -242,6 +257,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         arg_mbs, kwarg_mbs, target_mbs = self._agreed_microbatches(args, kwargs, target, arg_mbs, kwarg_mbs,
                                                                    target_mbs)
         self.weight_queue.clear()  # nothing a failed step queued
+        self._route_weight_gradients()
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
