@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -261,3 +262,19 @@ def _alive(pid: int) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def test_the_report_says_when_the_tree_differs_from_its_commit(tmp_path):
+    """A tree copied with an older ``.git`` must not pass for that commit."""
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=kit", "-c", "user.email=kit@example.com", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    commit = gpu_kit._commit(tmp_path)
+    assert len(commit) >= 7 and " " not in commit
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert gpu_kit._commit(tmp_path) == f"{commit} with uncommitted changes"

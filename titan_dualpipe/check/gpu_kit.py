@@ -262,9 +262,16 @@ def machine_facts() -> dict[str, str]:
             "date": time.strftime("%Y-%m-%d %H:%M %Z")}
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+def _commit(root: Path = ROOT) -> str:
+    """The checkout's commit, and whether its tracked files differ from it (a copied tree can
+    carry an older ``.git``)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown"
+    return f"{commit} with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else commit
 
 
 def _require_cuda() -> None:
