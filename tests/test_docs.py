@@ -439,23 +439,30 @@ def test_readme_keeps_the_two_commands() -> None:
     assert len(readme.splitlines()) <= 250
 
 
-def test_ci_removes_the_venv_each_stage_made() -> None:
-    """``.ci/run`` names the venv its ``stage`` removes: the one bootstrap.py makes for that stage's
-    options (a wrong name would leave 6 GB behind, or remove the other lane's venv)."""
+def test_ci_removes_every_venv_it_makes() -> None:
+    """``.ci/run`` removes each extra venv it makes, by the name bootstrap.py gives it for the
+    options it was made with (a wrong name would leave 6 GB behind, or remove the other lane's
+    venv), and never the README's ``.venv``."""
     from titan_dualpipe.bootstrap import venv_name
 
     script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
-    stages = re.findall(r"\bstage (\.venv\S*) (.*)$", script, flags=re.MULTILINE)
-    assert len(stages) == 2, stages
-    made = set()
-    for venv, args in stages:
-        words = shlex.split(args)
-        options = {words[i][2:]: words[i + 1] for i in range(len(words) - 1) if words[i] in ("--torch", "--torchtitan")}
-        assert venv == venv_name(options.get("torch"), options.get("torchtitan")), (venv, args)
+
+    def options(args: str) -> dict[str, str]:
+        words = shlex.split(args, comments=True)
+        return {words[i][2:]: words[i + 1] for i in range(len(words) - 1) if words[i] in ("--torch", "--torchtitan")}
+
+    made, removed = set(), set()
+    for venv, args in re.findall(r"\bstage (\.venv\S*) (.*)$", script, flags=re.MULTILINE):  # stage: bootstrap, then rm
+        wanted = options(args)
+        assert venv == venv_name(wanted.get("torch"), wanted.get("torchtitan")), (venv, args)
         made.add(venv)
-    # lane 2 creates lane 1's second venv ahead of time: one that a stage uses and removes
-    prepared = re.findall(r"bootstrap\.py --torch (\S+) run\b", script)
-    assert prepared and {venv_name(torch, None) for torch in prepared} <= made, (prepared, made)
+        removed.add(venv)
+    for args in re.findall(r"bootstrap\.py (?!\"\$\{@)(.*)$", script, flags=re.MULTILINE):  # not stage's own call
+        wanted = options(args)
+        made.add(venv_name(wanted.get("torch"), wanted.get("torchtitan")))
+    removed |= set(re.findall(r"^\s*rm -rf (\.venv\S+)$", script, flags=re.MULTILINE))
+    assert len(made) == 3 and ".venv" in made, made  # the README's, the lowest torch's, the newest's
+    assert made - {".venv"} == removed, (made, removed)
 
 
 def test_gpu_kit_dry_run(tmp_path: Path) -> None:
