@@ -6,9 +6,11 @@ the call with every rank's story and kills the pool (the next call starts a fres
 ``pool.outcomes`` returns every rank's outcome instead, for cases that expect failures.
 
 Each worker's stderr (Python's and the C++ runtime's, e.g. a ``std::terminate`` message) goes to
-a file the pool relays to its own stderr after every call; ``faulthandler`` writes every thread's
-Python stack there when a worker crashes (SIGSEGV, SIGABRT...) and, on a timeout, before the pool
-kills it. A dead or hung worker's failure message ends with the tail of that file.
+a file the pool relays to its own stderr after every call. When a worker crashes (SIGSEGV,
+SIGABRT...), torch's fatal-signal handler writes every thread's C++ stack there, then
+``faulthandler`` every thread's Python stack (the C++ one is what shows a ``std::terminate`` in a
+communication thread); on a timeout, ``faulthandler`` writes the Python stacks before the pool
+kills the worker. A dead or hung worker's failure message ends with the tail of that file.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], 
     import torch
     import torch.distributed as dist
 
+    from titan_dualpipe._compat import native_stacks_on_fatal_signal
+
+    native_stacks_on_fatal_signal()  # after faulthandler: C++ stacks first, then it adds the Python ones
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s))

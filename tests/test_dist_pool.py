@@ -42,7 +42,7 @@ def say_on_stderr(text: str) -> int:
     return dist.get_rank()
 
 
-def test_a_crashed_worker_reports_its_signal_and_every_threads_stack():
+def test_a_crashed_worker_reports_its_signal_and_every_threads_stack(capsys):
     pool = WorkerPool(2)
     try:
         outcomes = pool.outcomes(abort_from_a_thread, timeout_s=120, rank_to_crash=1)
@@ -54,6 +54,10 @@ def test_a_crashed_worker_reports_its_signal_and_every_threads_stack():
     assert "Fatal Python error: Aborted" in report, report
     assert 'in crash_in_helper' in report and "Current thread" in report, report  # the crashing thread's stack
     assert "in abort_from_a_thread" in report, report  # and the other threads' (the joining main thread)
+    # Before them, on the relayed stderr: every thread's C++ stack, the crashing one through abort()
+    native = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[rank 1] ")]
+    threads = [line for line in native if line.startswith("[rank 1] SIGABRT(6), PID: ")]
+    assert len(threads) >= 2 and any(" abort + 0x" in line for line in native), "\n".join(native)
 
 
 def test_a_hung_worker_reports_its_stack_before_it_is_killed():

@@ -518,7 +518,7 @@ ALLOWED = {
     "overlap": {"_compat", "orders", "runtime", "overlap", "split"},
     "titan": {"", "_compat", "orders", "runtime", "overlap", "split", "switches", "titan", "torchtitan_version"},
     "switches": set(),
-    "testing": {"split", "testing"},
+    "testing": {"_compat", "split", "testing"},
     # the tools: never the benchmarks
     "sim": {"", "_compat", "cli", "orders", "runtime", "sim", "testing"},
     "check": {"", "_compat", "check", "cli", "launch", "orders", "runtime", "switches", "testing", "torchtitan_version"},

@@ -606,6 +606,16 @@ def torch_function_bypassed() -> Any:
     bookkeeping that must stay out of what a user's mode observes."""
     return torch._C.DisableTorchFunction()
 
+
+def native_stacks_on_fatal_signal() -> None:
+    """On a fatal signal (SIGABRT, SIGSEGV, SIGBUS, SIGILL, SIGFPE), print every thread's C++
+    stack to stderr, then hand the signal on to the handler installed before (``faulthandler``'s,
+    which adds the Python stacks). A ``std::terminate`` in a communication thread has no Python
+    stack to show: this is where it shows. For the package's own worker processes (tests,
+    ``check``, benchmarks), not for a user's training run."""
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
+
+
 __all__ = [
     "HAS_METADATA_VOTE",
     "PipelineStage",
@@ -645,6 +655,7 @@ __all__ = [
     "mark_static_inputs_differentiable",
     "input_grads",
     "module_forward_replaced",
+    "native_stacks_on_fatal_signal",
     "post_all_to_all_single",
     "private_thread_state",
     "private_thread_state_entered",

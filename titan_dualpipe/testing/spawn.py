@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .._compat import native_stacks_on_fatal_signal
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,7 +23,8 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
-    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT...) prints every thread's stack
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT...) prints every thread's stack:
+    native_stacks_on_fatal_signal()  # the C++ ones first, then faulthandler the Python ones
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device_id = None
