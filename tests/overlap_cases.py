@@ -68,9 +68,9 @@ def _is_expert(name: str) -> bool:
     return ".moe.experts." in name
 
 
-def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool, module_cls: type = MoETransformer,
+def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
-          reshard_after_forward: bool | None = None,
+          reshard_after_forward: bool | None = None, weights_in_flight: bool = True,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
@@ -93,7 +93,8 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool, fsdp: bool,
     if schedule_cls is not None:
         sched = runnable_on_gloo(schedule_cls(stages, n, loss_fn=lm_loss))
     else:
-        sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch)
+        sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch,
+                                    weights_in_flight=weights_in_flight)
     return reference, modules, sched, comm
 
 
@@ -196,6 +197,47 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             opt.zero_grad()
     if compile_backend:
         result["compiled_frames"] = counters["frames"]["ok"]
+    return result
+
+
+def weights_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, steps: int = 2) -> dict:
+    """The relayed MoE pipeline with weights in flight and without: the reference's losses and
+    gradients, and bit for bit each other's (the same GEMMs, accumulated in the same order)."""
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    runs = {flying: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=False, module_cls=RelayedMoETransformer,
+                          weights_in_flight=flying) for flying in (True, False)}
+    reference = runs[True][0]
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
+            for k, r in runs.items()}
+    result = {"grad_err": 0.0, "bitwise_tensors": 0, "in_flight": 0, "losses_checked": 0}
+    for step in range(steps):
+        want = []
+        for d in range(EP):
+            losses_d = reference_step(reference, *batch(step, n, d), n, scale_grads=True)
+            want = losses_d if d == ep_index else want
+        for p in reference.parameters():
+            p.grad /= EP
+        x, y = batch(step, n, ep_index)
+        got = {}
+        for flying, (_, modules, sched, _) in runs.items():
+            losses = _step(sched, modules, place, x, y)
+            raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+            _average_over_data_shards(modules, fsdp=False)
+            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, flying, step))
+            if losses:
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+                result["losses_checked"] += len(losses)
+            result["in_flight"] += sched.weight_queue.ran_in_flight if flying else 0
+            got[flying] = (losses, raw)
+        assert got[True][0] == got[False][0], f"step {step}: losses differ with weights in flight on and off"
+        for a, b in zip(got[True][1], got[False][1], strict=True):
+            assert torch.equal(a, b), f"step {step}: weights in flight changed a gradient by {(a - b).abs().max().item()}"
+            result["bitwise_tensors"] += 1
+        for opt in (*opts.values(), ref_opt):
+            opt.step()
+            opt.zero_grad()
     return result
 
 

@@ -134,7 +134,7 @@ def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     place = sched.placement
     x, y = batch(0, n)
     losses: list = []
-    out = sched.eval(x, target=y, losses=losses, return_outputs=True) if place.feeds_batch(rank) else sched.eval()
+    out = sched.eval(x, target=y, losses=losses) if place.feeds_batch(rank) else sched.eval()  # torch's default
     return {"outputs_checked": _check_eval(reference, place, modules, x, y, n, out, losses)}
 
 
@@ -156,17 +156,17 @@ def _check_eval(reference, place, modules: dict, x, y, n: int, out, losses: list
 
 
 def eval_held_outputs(schedule: str, pp: int, n: int, *, two_batch: bool = False, grad: bool = False) -> dict | None:
-    """eval(losses=...) on pipelines of ``n`` and ``2n`` microbatches (under ``torch.no_grad()`` as
-    torchtitan's validator, or with gradients enabled): the peak bytes of a measured eval after a
-    warm-up one, how many outputs every stage's ``fwd_cache`` and the step's two-batch halves held
-    at its end; then eval(..., return_outputs=True), its outputs and losses checked against the
-    reference."""
+    """eval(losses=..., return_outputs=False) on pipelines of ``n`` and ``2n`` microbatches (under
+    ``torch.no_grad()`` as torchtitan's validator, or with gradients enabled): the peak bytes of a
+    measured eval after a warm-up one, how many outputs every stage's ``fwd_cache`` and the step's
+    two-batch halves held at its end; then eval's default (the outputs returned, as torch's), its
+    peak, outputs and losses checked against the reference."""
     rank = dist.get_rank()
     group = first_ranks_group(pp)
     if rank >= pp:
         return None
     result: dict = {"rank": rank, "logits_bytes": MB_SIZE * SEQ * VOCAB * 4}
-    for key in ("peak", "fwd_cache", "halves", "outputs_checked", "last_microbatches"):
+    for key in ("peak", "peak_with_outputs", "fwd_cache", "halves", "outputs_checked", "last_microbatches"):
         result[key] = {}
     for count in (n, 2 * n):
         with contextlib.nullcontext() if grad else torch.no_grad():
@@ -194,13 +194,15 @@ def _measured_eval(schedule: str, pp: int, n: int, group, rank: int, two_batch: 
         out = sched.eval(x, target=y, losses=losses, **kwargs) if place.feeds_batch(rank) else sched.eval()
         return out, losses
 
-    run()  # stage shapes and receive buffers
+    run(return_outputs=False)  # stage shapes and receive buffers
     with LiveTensorBytes() as meter:
-        out, losses = run()
+        out, losses = run(return_outputs=False)
     assert out is None
     result["peak"][n] = meter.peak
     result["fwd_cache"][n] = {stage.stage_index: len(stage.fwd_cache) for stage in sched._stages}
-    out, kept_losses = run(return_outputs=True)
+    with LiveTensorBytes() as meter:
+        out, kept_losses = run()
+    result["peak_with_outputs"][n] = meter.peak
     result["halves"][n] = halves_at_end
     result["last_microbatches"][n] = sum(len(place.microbatches(s)) for s in modules if place.is_last(s))
     result["outputs_checked"][n] = _check_eval(reference, place, modules, x, y, n, out, kept_losses)

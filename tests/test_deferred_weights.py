@@ -69,10 +69,13 @@ class _CheckpointedBlock(_Block):
 
 
 def _grads(model: nn.Module, x: torch.Tensor, queue: WeightGradQueue | None,
-           compiled: bool = False) -> dict[str, torch.Tensor]:
+           compiled: bool = False, collect: bool = True) -> dict[str, torch.Tensor]:
+    """Gradients of a forward and backward; with ``queue``, a deferring forward and a backward
+    that collects into it (or, ``collect=False``, one outside an I: the GEMMs run at once)."""
     x = x.detach().requires_grad_()
-    loss = model(x).square().sum()
-    if queue is None:
+    with queue.deferring() if queue is not None else contextlib.nullcontext():
+        loss = model(x).square().sum()
+    if queue is None or not collect:
         loss.backward()
     else:
         with queue.collecting((1, 0)):
@@ -94,8 +97,10 @@ def _grads(model: nn.Module, x: torch.Tensor, queue: WeightGradQueue | None,
 @pytest.mark.parametrize("shape", [(6, 16), (3, 5, 16)], ids=["2d", "3d"])
 def test_deferred_gradients_equal_autograds_bitwise(ac, bias, shape):
     """Input, weight, bias and norm gradients, a weight GEMM run at W vs autograd's F.linear backward:
-    equal bit for bit (the same GEMMs on the same operands), with or without AC; outside an I the
-    installed module computes its weight gradient at once, also bit for bit."""
+    equal bit for bit (the same GEMMs on the same operands), with or without AC. A deferring forward
+    backpropagated outside an I computes its weight gradients at once, also bit for bit (without
+    AC: a checkpointed region recomputes along the path its backward collects for, so the runtime
+    backpropagates every deferring forward inside ``collecting``)."""
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     want = _grads(_model(bias, ac), x, None)
     deferred = _model(bias, ac)
@@ -105,8 +110,11 @@ def test_deferred_gradients_equal_autograds_bitwise(ac, bias, shape):
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    if ac != "none":
+        return
     deferred.zero_grad(set_to_none=True)
-    at_once = _grads(deferred, x, None)
+    at_once = _grads(deferred, x, queue, collect=False)
+    assert not queue.pending()
     for name in want:
         assert torch.equal(at_once[name], want[name]), name
 
@@ -175,7 +183,8 @@ def test_a_recomputation_stops_before_a_last_linear_layers_gemm_as_under_autogra
         model, queue = _ResidualMLP(), WeightGradQueue()
         if installed:
             install(model, queue)
-        loss = model(x.clone().requires_grad_()).square().sum()
+        with queue.deferring(deferring):
+            loss = model(x.clone().requires_grad_()).square().sum()
         with _CountGemms() as counted, queue.collecting((0, 0)) if installed and deferring else contextlib.nullcontext():
             loss.backward()
         with _CountGemms() as at_w:
@@ -192,8 +201,10 @@ def test_gradients_accumulate_over_microbatches_like_autograds():
     xs = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2))
     for mb, x in enumerate(xs):
         reference(x).square().sum().backward()
+        with queue.deferring():
+            loss = deferred(x).square().sum()
         with queue.collecting((0, mb)):
-            deferred(x).square().sum().backward()
+            loss.backward()
     queue.run((0, 1))
     queue.run((0, 0))  # W in another order than I
     for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):
@@ -220,7 +231,7 @@ def test_what_is_installed_and_what_is_left_out():
     queue = WeightGradQueue()
     install(model, queue)
     x = torch.randn(3, 4)
-    with queue.collecting((0, 0)):
+    with queue.deferring(), queue.collecting((0, 0)):
         model["param"](x).sum().backward()
     assert not queue.pending()  # computed weight: autograd took it at once
     assert model["param"].parametrizations.weight.original.grad is not None
@@ -289,7 +300,8 @@ def test_expert_weight_gemms_wait_for_w(make, ac):
 
     def run(module, queue=None):
         h = x.clone().requires_grad_()
-        out = checkpoint(call, module, h, use_reentrant=False) if ac == "full" else call(module, h)
+        with queue.deferring() if queue is not None else contextlib.nullcontext():
+            out = checkpoint(call, module, h, use_reentrant=False) if ac == "full" else call(module, h)
         with queue.collecting((0, 0)) if queue is not None else contextlib.nullcontext():
             out.square().sum().backward()
         return h.grad
@@ -353,8 +365,10 @@ def test_a_forward_wrapped_on_the_instance_defers_too(make, wrapped):
 
     def input_grad(module, queue=None):
         h = x.clone().requires_grad_()
+        with queue.deferring() if queue is not None else contextlib.nullcontext():
+            loss = call(module, h).square().sum()
         with queue.collecting((0, 0)) if queue is not None else contextlib.nullcontext():
-            call(module, h).square().sum().backward()
+            loss.backward()
         return h.grad
 
     torch.testing.assert_close(input_grad(deferred, queue), input_grad(reference), rtol=1e-6, atol=1e-7)
@@ -387,15 +401,16 @@ class _PostedExchange(torch.autograd.Function):
         from titan_dualpipe.overlap.relay import hand_over
 
         ctx.log.append("posted")
-        hand_over()
+        hand_over(backward=True)
         ctx.log.append("waited")
         return grad, None
 
 
-def test_a_full_backward_runs_its_weight_gemms_while_its_exchange_flies():
+def test_a_full_backward_computes_its_weight_gemms_while_its_exchange_flies():
     """``work_while_exchanges_fly``: the weight GEMMs queued before an exchange is posted (the
-    layer after it, backpropagated first) run between posting and waiting; the rest run at the
-    end. Gradients equal autograd's bit for bit; nothing runs outside the block."""
+    layer after it, backpropagated first) are computed between posting and waiting; the rest at
+    the end, where all go to autograd together. Gradients equal autograd's bit for bit; nothing
+    runs outside the block."""
     from titan_dualpipe.runtime.in_flight import run_work_in_flight, work_while_exchanges_fly
 
     log: list[str] = []
@@ -409,35 +424,119 @@ def test_a_full_backward_runs_its_weight_gemms_while_its_exchange_flies():
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
     key = (0, 0)
 
-    def run_queued() -> None:
-        log.append(f"W x{queue.run(key, at_weight=False)}")
+    def in_flight() -> None:
+        log.append(f"W x{queue.compute_in_flight(key)}")
 
-    with queue.collecting(key), work_while_exchanges_fly(run_queued):
-        second(_PostedExchange.apply(first(x), log)).square().sum().backward()
-    run_queued()
-    assert log == ["posted", "W x1", "waited", "W x1"]  # second's GEMM in flight, first's at the end
-    assert (queue.ran_in_flight, sum(queue.ran.values()), queue.pending()) == (2, 0, {})
+    with queue.deferring():
+        loss = second(_PostedExchange.apply(first(x), log)).square().sum()
+    with queue.collecting(key), work_while_exchanges_fly(in_flight):
+        loss.backward()
+    assert log == ["posted", "W x1", "waited"]  # second's GEMM in flight
+    assert all(p.grad is None for p in (first.weight, second.weight)) and queue.pending() == {key: 2}
+    assert queue.run(key, at_weight=False) == 2  # first's computed now, both accumulated
+    assert (queue.ran_in_flight, sum(queue.ran.values()), queue.pending()) == (1, 0, {})
     reference[1](reference[0](x)).square().sum().backward()
     for mod, ref in zip((first, second), reference):
         for p, q in zip(mod.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
-    run_work_in_flight()  # outside the block: nothing set aside
-    assert log[-1] == "W x1"
+    with torch.no_grad():
+        run_work_in_flight()  # outside the block: nothing set aside
+    assert log[-1] == "waited"
 
 
-def test_only_a_pairs_backward_half_runs_the_work_in_flight():
-    """In a relayed pair the forward half's exchanges leave the backward's queued GEMMs alone (it
-    may be inside an activation-checkpointed region); the backward half's run them, and so does an
-    exchange outside any pair."""
+def test_only_a_backwards_exchanges_run_the_work_in_flight():
+    """A forward's exchange (``hand_over()``: a pair's forward half, a forward outside any pair, a
+    checkpointed region's recomputation inside the backward) leaves the backward's queued GEMMs
+    alone; a backward's exchange (``hand_over(backward=True)``, from an autograd node, grad mode
+    off) runs them, in a pair's either half or outside any pair."""
     import threading
 
     from titan_dualpipe.overlap.relay import hand_over, run_relayed
     from titan_dualpipe.runtime.in_flight import work_while_exchanges_fly
 
     ran: list[str] = []
-    with work_while_exchanges_fly(lambda: ran.append(threading.current_thread().name)):
+    backward = functools.partial(hand_over, backward=True)
+    with work_while_exchanges_fly(lambda: ran.append(threading.current_thread().name)), torch.no_grad():
         run_relayed(lambda: (hand_over(), hand_over()), hand_over)
-        assert ran == ["titan_dualpipe-backward-half"]
         hand_over()
-    hand_over()
+        assert ran == []
+        run_relayed(lambda: (hand_over(), hand_over()), backward)
+        assert ran == ["titan_dualpipe-backward-half"]
+        backward()
+        with torch.enable_grad():
+            backward()
+    with torch.no_grad():
+        backward()
     assert ran == ["titan_dualpipe-backward-half", threading.current_thread().name]
+
+
+class _Exchanged(nn.Module):
+    """A block that posts an exchange in its forward and its backward (a relayed expert all-to-all),
+    its region checkpointed as ``ac`` says, after a linear layer outside the region."""
+
+    def __init__(self, ac: str) -> None:
+        super().__init__()
+        self.outside = nn.Linear(16, 16)
+        self.w1, self.w2, self.inner = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 16)
+        self.ac = ac
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        if self.ac == "nested":
+            h = checkpoint(self.inner, h, use_reentrant=False)
+        x = _TwoWayExchange.apply(torch.nn.functional.gelu(self.w1(h)))
+        return h + self.w2(x)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.outside(h)
+        if self.ac == "none":
+            return self.region(h)
+        context = _selective_context() if self.ac == "selective" else {}
+        return checkpoint(self.region, h, use_reentrant=False, **context)
+
+
+class _TwoWayExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from titan_dualpipe.overlap.relay import hand_over
+
+        hand_over()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        from titan_dualpipe.overlap.relay import hand_over
+
+        hand_over(backward=True)
+        return grad
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective", "nested"])
+def test_weights_in_flight_never_run_inside_a_recomputation(ac):
+    """A full backward with weights in flight through a checkpointed block that posts an exchange
+    (its recomputation posts it again, inside the backward) and a deferrable layer outside the
+    block: the GEMMs run at the backward's own exchange, never in the recomputation, and every
+    gradient equals plain autograd's bit for bit."""
+    from titan_dualpipe.runtime.in_flight import work_while_exchanges_fly
+
+    torch.manual_seed(0)
+    reference = _Exchanged(ac)
+    model, queue = _Exchanged(ac), WeightGradQueue()
+    model.load_state_dict(reference.state_dict())
+    install(model, queue)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(4))
+    recomputing = []
+
+    def in_flight() -> None:
+        recomputing.append(torch.is_grad_enabled())
+        queue.compute_in_flight((0, 0))
+
+    reference(x).square().sum().backward()
+    with queue.deferring():
+        loss = model(x).square().sum()
+    with queue.collecting((0, 0)), work_while_exchanges_fly(in_flight):
+        loss.backward()
+    assert recomputing == [False] and queue.ran_in_flight >= 1
+    queue.run((0, 0), at_weight=False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None and q.grad is None) if ac != "nested" and name.startswith("inner") \
+            else torch.equal(p.grad, q.grad), name

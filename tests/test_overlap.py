@@ -290,6 +290,18 @@ def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, sch
     assert all(r["weight_gemms_in_flight"] > 0 for r in results), results
 
 
+@pytest.mark.parametrize("schedule,checkpoint", [("DualPipeV", True), ("DualPipe", "selective")],
+                         ids=["DualPipeV-full_ac", "DualPipe-selective_ac"])
+def test_weights_in_flight_change_no_bit(pool, schedule, checkpoint):
+    """The relayed MoE pipeline (EP 2) under full and selective AC: full backwards compute their weight
+    GEMMs while their exchanges fly, or inline (``weights_in_flight=False``); both match the
+    reference, and each other bit for bit."""
+    results = pool.run(cases.weights_in_flight_on_and_off, schedule=schedule, n=4, checkpoint=checkpoint)
+    assert all(r["bitwise_tensors"] > 0 for r in results), results
+    assert all(r["in_flight"] > 0 for r in results), results
+    assert sum(r["losses_checked"] for r in results) > 0, results
+
+
 @pytest.mark.parametrize("schedule,relay", [("DualPipeV", True), ("DualPipe", True), ("DualPipeV", False)])
 def test_compiled_moe_blocks_overlap_at_every_exchange(pool, schedule, relay):
     """Blocks compiled in place (aot_eager): the exchanges stay outside the compiled graphs, so a

@@ -417,11 +417,11 @@ def test_changed_microbatch_shapes_raise_on_every_rank(pool, schedule, pp, n):
     ("DualPipeV", 2, 4, True, False), ("DualPipe", 2, 4, True, True), ("DualPipeV", 2, 4, False, True),
 ])
 def test_eval_holds_no_output_it_does_not_return(pool, schedule, pp, n, two_batch, grad):
-    """eval(losses=...) (torchtitan's validator) frees each stage output at its last use: no stage's
-    ``fwd_cache`` and no two-batch halves hold any at the end, and from n to 2n microbatches the
-    peak grows by less than the added last-stage outputs (logits; before, it held all of them,
-    with their graphs when gradients are enabled). return_outputs=True still returns the outputs,
-    with the same losses (checked against the reference)."""
+    """eval(losses=..., return_outputs=False) (the torchtitan adapter's) frees each stage output at
+    its last use: no stage's ``fwd_cache`` and no two-batch halves hold any at the end, and from n
+    to 2n microbatches the peak grows by less than the added last-stage outputs (logits), where
+    eval's default (torch's: the outputs returned) grows by at least them. The default returns the
+    outputs, with the same losses (checked against the reference)."""
     ran = _ran(pool.run(cases.eval_held_outputs, schedule=schedule, pp=pp, n=n, two_batch=two_batch, grad=grad))
     for r in ran:
         assert all(not any(held.values()) for held in r["fwd_cache"].values()), r
@@ -430,6 +430,8 @@ def test_eval_holds_no_output_it_does_not_return(pool, schedule, pp, n, two_batc
         added = r["last_microbatches"][2 * n] - r["last_microbatches"][n]
         if added:
             assert r["peak"][2 * n] - r["peak"][n] < added * r["logits_bytes"], r
+            assert r["peak_with_outputs"][2 * n] - r["peak_with_outputs"][n] >= added * r["logits_bytes"], r
+        print(f"eval peak bytes, rank {r['rank']}: return_outputs=False {r['peak']}, default {r['peak_with_outputs']}")
     assert sum(r["last_microbatches"][n] for r in ran) == n  # every microbatch's output checked once
 
 

@@ -256,8 +256,21 @@ def fsdp_data_parallel_sizes(module: Any) -> list[int]:
 
 def fsdp_shard_group_ranks(module: Any) -> list[list[int]]:
     """Global ranks of the process group each FSDP2 parameter group of ``module`` shards over
-    (HSDP: the shard dimension's group)."""
-    return [dist.get_process_group_ranks(group.mesh_info.shard_process_group) for group in _fsdp_param_groups(module)]
+    (HSDP: the shard dimension's group); none for a group that only replicates (composable
+    ``replicate_with_fsdp``, whose mesh info has no shard group)."""
+    return [dist.get_process_group_ranks(group.mesh_info.shard_process_group) for group in _fsdp_param_groups(module)
+            if getattr(group.mesh_info, "shard_process_group", None) is not None]
+
+
+def replicated_by_ddp(module: torch.nn.Module) -> list[str]:
+    """Names of ``module``'s modules (``""``: itself) under composable ``replicate`` of
+    ``torch.distributed._composable.replicate`` (DDP's reducer, in autograd's accumulation hooks),
+    not the FSDP-based ``replicate_with_fsdp`` (an ``FSDPModule``)."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, m in module.named_modules()
+            if "replicate" in (_get_registry(m) or {}) and not isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
@@ -601,6 +614,12 @@ def private_thread_state_entered(state: PrivateThreadState) -> Iterator[None]:
         yield
 
 
+def inside_backward() -> bool:
+    """Whether this thread runs an autograd backward now (a node's backward, or a checkpointed
+    region's recomputation inside one), rather than a forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def torch_function_bypassed() -> Any:
     """A context within which no TorchFunctionMode (nor tensor subclass) sees tensor calls: for
     bookkeeping that must stay out of what a user's mode observes."""
@@ -652,6 +671,7 @@ __all__ = [
     "fsdp_shard_group_ranks",
     "get_schedule_class",
     "initialize_stages",
+    "inside_backward",
     "mark_static_inputs_differentiable",
     "input_grads",
     "module_forward_replaced",
@@ -659,6 +679,7 @@ __all__ = [
     "post_all_to_all_single",
     "private_thread_state",
     "private_thread_state_entered",
+    "replicated_by_ddp",
     "runnable_on_gloo",
     "schedule_kwargs",
     "set_chain_ends",

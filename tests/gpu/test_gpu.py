@@ -383,8 +383,10 @@ def test_deferred_weight_gemms_on_the_device():
     install(deferred, queue)
     x = torch.randn(4, 16, 64, device=DEVICE)
     reference(x).square().sum().backward()
+    with queue.deferring():
+        loss = deferred(x).square().sum()
     with queue.collecting((1, 0)):
-        deferred(x).square().sum().backward()
+        loss.backward()
     assert all(m.weight.grad is None for m in deferred if isinstance(m, nn.Linear)) and queue.pending() == {(1, 0): 2}
     queue.run((1, 0))
     for p, q in zip(deferred.parameters(), reference.parameters()):

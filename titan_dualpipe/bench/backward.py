@@ -26,6 +26,8 @@ Memory and recomputations come from one more untimed microbatch per path.
 
 from __future__ import annotations
 
+import contextlib
+
 import argparse
 import statistics
 from typing import Any, Callable
@@ -155,7 +157,8 @@ class _Path:
 
     def split(self, h: torch.Tensor) -> tuple[Callable[[], Any], Callable[[], None]]:
         """I and W of ``h``'s backward (run in turn)."""
-        loss = self._loss(h)
+        with self.queue.deferring() if self.queue is not None else contextlib.nullcontext():
+            loss = self._loss(h)
         if self.path == "whole":
             return loss.backward, lambda: None
         if self.path == "deferred":

@@ -254,7 +254,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         pending = ctx.comm.post(grad.contiguous(), backward=True)
-        hand_over()
+        hand_over(backward=True)
         return pending.wait(), None, None
 
 
@@ -275,12 +275,13 @@ class _RelayedAllToAllSingle(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_split_sizes, input_split_sizes, group):  # type: ignore[override]
         ctx.splits, ctx.group = (output_split_sizes, input_split_sizes), group
-        return _exchange(x, output_split_sizes, input_split_sizes, group)
+        return _exchange(x, output_split_sizes, input_split_sizes, group, backward=False)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         output_split_sizes, input_split_sizes = ctx.splits
-        return _exchange(grad.contiguous(), input_split_sizes, output_split_sizes, ctx.group), None, None, None
+        return (_exchange(grad.contiguous(), input_split_sizes, output_split_sizes, ctx.group, backward=True),
+                None, None, None)
 
 
 @dataclass
@@ -336,11 +337,12 @@ def emulate_relayed_exchanges(seconds: float | None) -> RelayedExchangeCost | No
     return _RELAYED_COST
 
 
-def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
+def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
+              backward: bool) -> torch.Tensor:
     cost, posted_at = _RELAYED_COST, time.perf_counter()
     pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
     ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds_for(x.shape[0]))
-    hand_over()  # the partner half of a relayed pair computes while this one is in flight
+    hand_over(backward=backward)  # the partner half of a relayed pair computes while this one is in flight
     if cost is None:
         return wait_collective(pending)
     cost.stats.posted += 1

@@ -226,12 +226,25 @@ class LayerBoundaries:
     combined: torch.Tensor  # alias of the combine exchange's output
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Selective AC's policy for the checkpointed segments: keep GEMM outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm attention + MoE. ``block(h)`` runs it whole; the stage module calls one
-    segment at a time: ``block(h, segment="attention")`` etc. (see the module docstring)."""
+    segment at a time: ``block(h, segment="attention")`` etc. (see the module docstring).
+    ``activation_checkpoint``: False, True (full) or ``"selective"`` (the attention and expert
+    segments, not the exchanges between them)."""
 
-    def __init__(self, args: MoEArgs, activation_checkpoint: bool = False) -> None:
+    def __init__(self, args: MoEArgs, activation_checkpoint: bool | str = False) -> None:
         super().__init__()
+        if activation_checkpoint not in (False, True, "selective"):
+            raise ValueError(f"activation_checkpoint={activation_checkpoint!r}: use False, True (full) or 'selective'")
         self.activation_checkpoint = activation_checkpoint
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
@@ -249,9 +262,14 @@ class TransformerBlock(nn.Module):
         return getattr(self, f"_{name}_segment")
 
     def _maybe_checkpoint(self, fn, *args: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpoint and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
-        return fn(*args)
+        if not self.activation_checkpoint or not torch.is_grad_enabled():
+            return fn(*args)
+        if self.activation_checkpoint == "selective":
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            return checkpoint(fn, *args, use_reentrant=False,
+                              context_fn=lambda: create_selective_checkpoint_contexts(_save_matmuls))
+        return checkpoint(fn, *args, use_reentrant=False)
 
     def _attend(self, h: torch.Tensor) -> torch.Tensor:
         return self.attention(self.attention_norm(h))
@@ -329,7 +347,7 @@ class MoETransformer(nn.Module):
     """Token embedding -> MoE blocks -> norm -> vocab head; a pipeline part may lack the
     embedding (not first) or the norm and head (not last). See the module docstring."""
 
-    def __init__(self, args: MoEArgs, activation_checkpoint: bool = False) -> None:
+    def __init__(self, args: MoEArgs, activation_checkpoint: bool | str = False) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)

@@ -34,7 +34,9 @@ accelerator, the cache flag), the saved-tensor hooks that apply (or their disabl
 TorchFunctionMode and TorchDispatchMode stacks (the mode objects themselves: a mode sees
 both halves' calls, one at a time), torch-function disabling, the dispatcher's local key
 sets, and the accelerator's current device and stream; it gets its own state back after
-each pair. A pair started inside a ``torch.func`` transform (vmap, grad, ...), whose
+each pair. Autocast is taken as torch's autograd threads take it, flags only: autocast's cast
+cache is process-wide, and a ``torch.autocast`` exiting on the helper thread would clear the
+caller's. A pair started inside a ``torch.func`` transform (vmap, grad, ...), whose
 interpreter stack cannot move to another thread, raises :class:`ValueError` before either
 half runs. torch's profiler records only the thread that started it (and autograd's
 threads): to see the helper thread's operators, profile with
@@ -177,15 +179,16 @@ def _pair_over() -> None:
     raise RuntimeError("this relayed pair has ended: its backward half cannot start")
 
 
-def hand_over() -> None:
+def hand_over(*, backward: bool = False) -> None:
     """Let the partner half of the running pair compute (call right after posting an
-    exchange, before waiting on it); does nothing outside a pair. First runs the work a full
-    backward set aside for its exchanges' flight (:mod:`titan_dualpipe.runtime.in_flight`: its
-    queued weight GEMMs), outside a pair or in its backward half (the thread whose state that
-    backward runs in; a forward half may be inside an activation-checkpointed region)."""
-    relay = _active
-    if relay is None or relay._half() == BACKWARD:
+    exchange, before waiting on it); does nothing outside a pair. ``backward``: the exchange is
+    a backward's (posted by an autograd node's backward): first the work that backward set aside
+    for its exchanges' flight runs (:mod:`titan_dualpipe.runtime.in_flight`: its queued weight
+    GEMMs). A forward's exchange never runs it, also when a checkpointed region's recomputation
+    posts it inside a backward."""
+    if backward:
         run_work_in_flight()
+    relay = _active
     if relay is not None:
         relay.hand_over()
 
@@ -283,19 +286,55 @@ def _thread_state() -> Callable[[], ContextManager[None]]:
 
     @contextlib.contextmanager
     def entered() -> Iterator[None]:
-        if stream is not None:
-            torch.accelerator.set_device_index(stream.device.index)
-            torch.accelerator.set_stream(stream)
         with contextlib.ExitStack() as stack:
+            if stream is not None:
+                stack.enter_context(_on_stream(stream))
             if inference:
                 stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(grad_enabled))
-            for kind, enabled, dtype in autocast:  # exiting the last one clears the thread's autocast cache
-                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+            stack.enter_context(_autocast_entered(autocast, cache_enabled))
             stack.enter_context(private_thread_state_entered(private))  # last: forces the dispatch key sets
             yield
 
     return entered
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.Stream) -> Iterator[None]:
+    """``stream`` (and its device) current on this thread within the block; the thread's own after it."""
+    device = torch.accelerator.current_device_index()
+    torch.accelerator.set_device_index(stream.device.index)
+    previous = torch.accelerator.current_stream()
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
+        torch.accelerator.set_device_index(device)
+
+
+@contextlib.contextmanager
+def _autocast_entered(states: list[tuple[str, bool, torch.dtype]], cache_enabled: bool) -> Iterator[None]:
+    """The caller's autocast state on this thread within the block, as torch's autograd threads
+    take it: the flags and one level of nesting, but no ``torch.autocast`` of its own, whose exit
+    would clear autocast's cast cache, which is process-wide (the caller's forward would then cast
+    its weights again, and a selective-AC region's recomputation would meet casts its forward never
+    saved)."""
+    before = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind, _, _ in states]
+    cache_before = torch.is_autocast_cache_enabled()
+    for kind, enabled, dtype in states:
+        torch.set_autocast_enabled(kind, enabled)
+        torch.set_autocast_dtype(kind, dtype)
+    torch.set_autocast_cache_enabled(cache_enabled)
+    torch.autocast_increment_nesting()  # an inner autocast's exit (a recomputation's) leaves the cache alone
+    try:
+        yield
+    finally:
+        torch.autocast_decrement_nesting()
+        torch.set_autocast_cache_enabled(cache_before)
+        for kind, enabled, dtype in before:
+            torch.set_autocast_enabled(kind, enabled)
+            torch.set_autocast_dtype(kind, dtype)
 
 
 def _refuse_what_cannot_be_carried(private: PrivateThreadState) -> None:

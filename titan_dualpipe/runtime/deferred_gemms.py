@@ -11,10 +11,14 @@ one. While an installed expert module runs its forward, :class:`DeferringExpertG
 - ``torch.matmul`` / ``torch.mm`` of a 2-D weight operand, ``torch.bmm``, ``torch._grouped_mm``
   (tokens x experts with offsets), and this package's float32 grouped GEMM (CPU mode).
 
-In a backward inside an ``I`` the input gradient is computed at once and the weight operand's
-gradient GEMM is queued; at ``W`` it runs and its result flows back to the parameter through the
-operand's own small graph (slice, cast, transpose, ``to_local``), one autograd call for all of a
-microbatch's expert GEMMs. Outside an ``I`` it is computed at once and autograd takes it.
+The weight operand is no input of the node: its gradient enters autograd at the operand's edge
+(:func:`~.deferred_weights.root_of`), so nothing reaches the parameter at ``I``. In a backward
+inside an ``I`` the input gradient is computed at once and the weight operand's gradient GEMM is
+queued, holding the output gradient and the tokens only; at ``W`` it runs and its result flows
+back to the parameter through the operand's own small graph (slice, cast, transpose,
+``to_local``), one autograd call for all of a microbatch's weight GEMMs. Outside an ``I`` it is
+computed and given to autograd at once. Under autocast, ``mm``, ``bmm`` and ``matmul`` run on
+operands cast as autocast casts them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .deferred_weights import WeightGradQueue, autocast_dtype, defer_or_accumulate, root_of
 
 
 def _float32_grouped_mm() -> Any:
@@ -34,10 +40,14 @@ def _float32_grouped_mm() -> Any:
 
 
 class _Gemm:
-    """One GEMM kind: its forward and the two gradient GEMMs autograd would run for it."""
+    """One GEMM kind: its forward and the two gradient GEMMs autograd would run for it.
+    ``autocast``: whether autocast casts its operands (``mm``, ``bmm``, ``matmul``)."""
+
+    autocast = False
 
     def __init__(self, forward: Callable[..., torch.Tensor], offs: torch.Tensor | None = None) -> None:
         self.forward, self.offs = forward, offs
+        self.root: Any = None  # where the weight operand's gradient enters autograd
 
     def input_grad(self, grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -49,18 +59,27 @@ class _Gemm:
 class _MatmulGemm(_Gemm):
     """``a @ b``: ``a`` of any rank >= 2 (flattened to rows), ``b`` 2-D; autograd's ``mm`` backward."""
 
+    autocast = True
+
+    def __init__(self, forward: Callable[..., torch.Tensor], b: torch.Tensor) -> None:
+        super().__init__(forward)
+        # a transposed weight gets its gradient in the same layout; read now, so W need not hold b
+        self.transposed = b.stride(0) == 1 and b.stride(1) == b.shape[0]
+
     def input_grad(self, grad, a, b):
         return grad.reshape(-1, grad.shape[-1]).mm(b.t()).view(a.shape)
 
     def weight_grad(self, grad, a, b):
         grad_2d, a_2d = grad.reshape(-1, grad.shape[-1]), a.reshape(-1, a.shape[-1])
-        if b.stride(0) == 1 and b.stride(1) == b.shape[0]:  # a transposed weight: its gradient in the same layout
+        if self.transposed:
             return grad_2d.t().mm(a_2d).t()
         return a_2d.t().mm(grad_2d)
 
 
 class _BatchedGemm(_Gemm):
     """``torch.bmm(a, b)`` over experts."""
+
+    autocast = True
 
     def input_grad(self, grad, a, b):
         return grad.bmm(b.transpose(1, 2))
@@ -80,31 +99,43 @@ class _GroupedGemm(_Gemm):
 
 
 class _DeferrableGemm(torch.autograd.Function):
+    """One expert GEMM ``gemm(a, b)``; ``b`` comes in out of the graph, its gradient goes to ``root``
+    (see the module docstring). ``anchor`` keeps the node in the graph when ``a`` needs no gradient."""
+
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, gemm: _Gemm, queue: Any) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, anchor: torch.Tensor | None, gemm: _Gemm,
+                queue: WeightGradQueue) -> torch.Tensor:
         ctx.save_for_backward(a, b)
-        # the operand as the forward made it: at W its gradient flows back through its own graph
-        # (a checkpointed region's saved tensors come back as detached recomputations)
-        ctx.operand, ctx.gemm, ctx.queue = b, gemm, queue
+        ctx.gemm, ctx.queue = gemm, queue
         return gemm.forward(a, b) if gemm.offs is None else gemm.forward(a, b, gemm.offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, b = ctx.saved_tensors
-        gemm, operand = ctx.gemm, ctx.operand
+        gemm = ctx.gemm
         grad_a = gemm.input_grad(grad, a, b) if ctx.needs_input_grad[0] else None
-        grad_b = None
-        if ctx.needs_input_grad[1]:
-            queued = ctx.queue.defer_to_operand(operand, lambda: gemm.weight_grad(grad, a, b), "experts", holds=(grad, a))
-            if not queued:
-                grad_b = gemm.weight_grad(grad, a, b)
-        return grad_a, grad_b, None, None
+        # the GEMM reads the output gradient and the tokens: b (a cast copy of the weights) is not held
+        defer_or_accumulate(ctx.queue, gemm.root, lambda: gemm.weight_grad(grad, a, None), "experts", (grad, a))
+        return grad_a, None, None, None, None
+
+
+def _deferrable_gemm(gemm: _Gemm, a: torch.Tensor, b: torch.Tensor, queue: WeightGradQueue) -> torch.Tensor:
+    gemm.root = root_of(b)  # not an input of the node: a parameter would be one of its edges
+    dtype = autocast_dtype(a) if gemm.autocast else None
+    b = b.detach()
+    if dtype is not None:  # cast as autocast would (see deferrable_linear)
+        a, b = a.to(dtype), b.to(dtype)
+    return _DeferrableGemm.apply(a, b, _anchor_for(a, queue), gemm, queue)
+
+
+def _anchor_for(a: torch.Tensor, queue: WeightGradQueue) -> torch.Tensor | None:
+    return None if a.requires_grad else queue.anchor(a.device)
 
 
 class DeferringExpertGemms(TorchFunctionMode):
     """Routes the expert GEMMs of one forward through :class:`_DeferrableGemm` (see the module docstring)."""
 
-    def __init__(self, queue: Any) -> None:
+    def __init__(self, queue: WeightGradQueue) -> None:
         super().__init__()
         self.queue = queue
         self.float32_grouped_mm = _float32_grouped_mm()
@@ -114,7 +145,7 @@ class DeferringExpertGemms(TorchFunctionMode):
         gemm, a, b = self._gemm(func, args, kwargs)
         if gemm is None:
             return func(*args, **kwargs)
-        return _DeferrableGemm.apply(a, b, gemm, self.queue)
+        return _deferrable_gemm(gemm, a, b, self.queue)
 
     def _gemm(self, func: Any, args: tuple, kwargs: dict) -> tuple[_Gemm | None, Any, Any]:
         operands = [*args, *kwargs.values()]
@@ -125,7 +156,7 @@ class DeferringExpertGemms(TorchFunctionMode):
             return None, None, None
         if func in (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm) and b.dim() == 2 and a.dim() >= 2 \
                 and len(operands) == 2:
-            return _MatmulGemm(torch.mm if a.dim() == 2 else torch.matmul), a, b
+            return _MatmulGemm(torch.mm if a.dim() == 2 else torch.matmul, b), a, b
         if func in (torch.bmm, torch.Tensor.bmm) and len(operands) == 2:
             return _BatchedGemm(torch.bmm), a, b
         grouped = func is torch._grouped_mm or (self.float32_grouped_mm is not None and func is self.float32_grouped_mm)

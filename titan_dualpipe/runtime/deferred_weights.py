@@ -5,17 +5,21 @@ torch's split backward runs autograd twice through a microbatch's graph (``I`` w
 selective-AC region cannot be split at all (:mod:`.split_backward`). Deferring the GEMM instead
 needs one autograd pass:
 
-- At ``I`` the stage runs its full backward while its :class:`WeightGradQueue` is collecting for
-  that (stage, microbatch). A deferring ``nn.Linear`` computes ``dX = dY W`` (and its bias
-  gradient) at once and queues ``dW = dY^T X`` with its two operands; every other parameter takes
-  its gradient as usual.
-- At ``W`` the queue runs those GEMMs, accumulating into ``weight.grad``.
-- A ``B`` (and every backward outside an ``I``) computes ``dW`` at once, through autograd.
+- A forward whose backward will be an ``I`` runs inside :meth:`WeightGradQueue.deferring`: each
+  installed ``nn.Linear`` (and expert GEMM, :mod:`.deferred_gemms`) builds nodes that take the
+  weight out of the autograd graph and hand its gradient to the queue.
+- At ``I`` the stage runs its full backward inside :meth:`WeightGradQueue.collecting`: input
+  gradients and every other parameter's gradient as usual, each weight GEMM ``dW = dY^T X``
+  queued with its two operands.
+- At ``W`` the queue computes them and gives the results to autograd (one
+  ``torch.autograd.backward`` from the weights): the parameters' own accumulation runs, with their
+  tensor hooks (which see the microbatch's whole gradient) and post-accumulate-grad hooks, in the
+  parameters' dtype.
 
-So a checkpointed region is recomputed once, at ``I``, and its GEMM operands live from ``I``
-to ``W``. The schedule installs this on its stage modules (:func:`install`): each ``nn.Linear``
-whose class keeps ``nn.Linear.forward`` gets a subclass whose forward routes through
-:func:`deferrable_linear`; parameters, state dicts and hooks are untouched.
+Every other forward (a ``B``, a forward outside a step) is plain autograd. As the weight is no
+input of the deferred nodes, nothing reaches its accumulation at ``I``: its hooks never see a
+missing gradient. Under autocast the nodes cast as autocast does (input and bias through
+autograd, the weight once per step), so the GEMMs and the gradients' dtypes are autocast's.
 
 Inside a ``torch.compile``'d region (``weight_gradients="deferred_compiled"``; under
 ``"deferred"`` a stage holding compiled modules runs its backward whole at ``I``) an
@@ -24,32 +28,39 @@ compiled graph, with the weight GEMM as a custom operator (``titan_dualpipe::lin
 that the graph keeps opaque. The operator decides when it runs: inside an ``I`` it queues the
 GEMM (on copies of its operands, since the compiled graph may reuse their buffers after the
 call) and returns zeros, which autograd adds to the gradient; elsewhere it computes the GEMM.
-So one compiled graph serves both, without recompiling.
+So one compiled graph serves both, without recompiling. Gradient hooks on those weights would
+see the zeros at ``I``: the schedule refuses hooks there (:func:`compiled_hooks_problem`).
 
-Not deferred: expert modules, DTensor weights (the operator has no sharding rule) and modules
-whose forward is wrapped on the instance inside a compiled region (their GEMMs run in the
-compiled backward at ``I``), subclasses with a forward of their own, and modules left out by name.
+Not deferred: DTensor weights inside a compiled region (the operator has no sharding rule),
+modules whose forward is wrapped on the instance inside a compiled region (their GEMMs run in
+the compiled backward at ``I``), subclasses with a forward of their own, weights computed from
+others (parametrizations), frozen weights, and modules left out by name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import itertools
 import threading
 import types
 import weakref
 from collections import Counter
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
+
+from .._compat import inside_backward
 
 WEIGHT_GRADIENT_MODES = ("deferred", "deferred_compiled", "split", "whole")
 DEFERRING_MODES = ("deferred", "deferred_compiled")  # the modes that install deferred GEMMs
 Key = tuple[int, int]  # (stage index, microbatch)
+Root = Union[torch.Tensor, GradientEdge]  # where a weight gradient enters autograd: a parameter, or an operand's edge
 
 
 def weight_gradients_problem(mode: object, not_deferred: object) -> None:
@@ -63,146 +74,253 @@ def weight_gradients_problem(mode: object, not_deferred: object) -> None:
                                   f"e.g. ['output', 'layers.*.attention.wq']")
 
 
+def root_of(operand: torch.Tensor) -> Root:
+    """Where ``operand``'s gradient enters autograd: the parameter itself, or the edge into the small
+    graph that computed it (a slice, a cast, ``to_local``), which holds none of its tensors."""
+    return operand if operand.is_leaf else get_gradient_edge(operand)
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """One queued weight GEMM: its root, the GEMM (None once computed), its result."""
+
+    root: Root
+    gemm: Callable[[], torch.Tensor] | None
+    kind: str
+    handle: Any  # a memory meter's hold on the GEMM's operands, dropped with them
+    grad: torch.Tensor | None = None
+
+    def compute(self) -> None:
+        if self.gemm is not None:
+            self.grad, self.gemm, self.handle = self.gemm(), None, None
+
+
 class WeightGradQueue:
     """One schedule's queued weight GEMMs, by (stage, microbatch).
 
-    :meth:`collecting` marks the backward running now as an ``I`` whose weight GEMMs wait for
-    :meth:`run`. It is an attribute, not thread-local state: autograd runs a CUDA backward on its
-    own device thread, and a relay runs two halves' backwards on two threads, all for one key.
+    :meth:`deferring` marks the forwards running now as deferrable; :meth:`collecting` marks the
+    backward running now as an ``I`` whose weight GEMMs wait for :meth:`run`. Both are
+    attributes, not thread-local state: autograd runs a CUDA backward on its own device thread,
+    and a relay runs two halves on two threads. A forward and a recomputation inside a backward
+    tell themselves apart by whether a backward runs on their thread (:meth:`routes_now`).
     """
 
     def __init__(self) -> None:
         self.target: Key | None = None
-        self._pending: dict[Key, list[tuple[torch.Tensor, Callable[[], torch.Tensor], str, Any]]] = {}
+        self.defers_forwards = False
+        self._pending: dict[Key, list[_Deferred]] = {}
+        self._casts: dict[tuple[int, torch.dtype], tuple[Any, int, torch.Tensor]] = {}  # autocast's weight casts
+        self._anchors: dict[torch.device, torch.Tensor] = {}
         # a memory meter's ``hold``: counts a queued GEMM's operands as live until its W drops the handle
         self.on_hold: Callable[[tuple[torch.Tensor, ...]], Any] | None = None
         self.ran: Counter[int] = Counter()  # weight GEMMs run at W this step, by stage
         self.ran_kinds: Counter[str] = Counter()  # ... by kind ("linear", "experts")
         self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
-        self.ran_in_flight = 0  # full backwards' weight GEMMs run while their exchanges flew, this step
+        self.ran_in_flight = 0  # full backwards' weight GEMMs computed while their exchanges flew, this step
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> "WeightGradQueue":
         return self  # a copied stage module defers into its schedule's queue until installed again
 
     def __getstate__(self) -> dict:
-        return {"target": None, "_pending": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(),
-                "ran_in_flight": 0, "on_hold": None}
+        return {"target": None, "defers_forwards": False, "_pending": {}, "_casts": {}, "_anchors": {},
+                "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(), "ran_in_flight": 0,
+                "on_hold": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
+    def deferring(self, defer: bool = True) -> Iterator[None]:
+        """Forwards in the block build deferrable weight GEMMs (``defer=False``: plain autograd)."""
+        previous, self.defers_forwards = self.defers_forwards, defer
+        try:
+            yield
+        finally:
+            self.defers_forwards = previous
+
+    @contextlib.contextmanager
     def collecting(self, key: Key) -> Iterator[None]:
+        """The backward in the block is ``key``'s ``I``: its deferrable weight GEMMs wait for :meth:`run`."""
         self.target = key
         try:
             yield
         finally:
             self.target = None
 
-    def defer_to_operand(self, operand: torch.Tensor, gemm: Callable[[], torch.Tensor], kind: str = "linear",
-                         holds: tuple[torch.Tensor, ...] = ()) -> bool:
-        """Queue ``gemm`` (the gradient of ``operand``, a parameter or a tensor computed from one) for the
-        backward running now; False when it is not an ``I`` (compute it now). ``holds``: the
-        tensors ``gemm`` keeps alive until it runs (its two operands)."""
+    def routes_now(self) -> bool:
+        """Whether a GEMM called now builds a deferrable weight gradient: a forward inside
+        :meth:`deferring`, or a checkpointed region's recomputation inside a backward that collects
+        (the backward of a forward that deferred: the recomputation takes the forward's path)."""
+        return self.target is not None if inside_backward() else self.defers_forwards
+
+    def defer(self, root: Root, gemm: Callable[[], torch.Tensor], kind: str = "linear",
+              holds: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Queue ``gemm`` (the gradient of ``root``) for the backward running now; False when it is not
+        an ``I`` (accumulate it now). ``holds``: the tensors ``gemm`` keeps alive until it runs."""
         key = self.target
         if key is None:
             return False
         handle = self.on_hold(holds) if self.on_hold is not None else None
         with self._lock:
-            self._pending.setdefault(key, []).append((operand, gemm, kind, handle))
+            self._pending.setdefault(key, []).append(_Deferred(root, gemm, kind, handle))
         return True
 
-    def run(self, key: Key, at_weight: bool = True) -> int:
-        """Run ``key``'s queued GEMMs (its ``W``; ``at_weight=False``: a full backward's, while its
-        exchanges fly, counted apart in ``ran_in_flight``); how many ran. A parameter's gradient is
-        added to its ``.grad``; a computed operand's flows back through its graph, one autograd
-        call for all."""
+    def compute_in_flight(self, key: Key) -> int:
+        """Compute ``key``'s queued GEMMs now (a full backward's, while its exchanges fly); :meth:`run`
+        gives them to autograd with the rest, in the order they were queued. How many ran."""
         with self._lock:
-            gemms = self._pending.pop(key, [])
-        if not at_weight:
-            self.ran_in_flight += len(gemms)
-        through_graph: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for operand, gemm, kind, _ in gemms:
-            if at_weight:
-                self.ran_kinds[kind] += 1
-            grad = gemm()
-            if operand.is_leaf:
-                _accumulate(operand, grad)
-            else:
-                through_graph.append((operand, grad))
-        if through_graph:
-            torch.autograd.backward([o for o, _ in through_graph], [g for _, g in through_graph])
+            waiting = [d for d in self._pending.get(key, []) if d.gemm is not None]
+        for deferred in waiting:
+            deferred.compute()
+        self.ran_in_flight += len(waiting)
+        return len(waiting)
+
+    def run(self, key: Key, at_weight: bool = True) -> int:
+        """Compute ``key``'s queued GEMMs and accumulate them (its ``W``; ``at_weight=False``: the end of
+        a full backward that computed some in flight); how many there were."""
+        with self._lock:
+            deferred = self._pending.pop(key, [])
+        for d in deferred:
+            d.compute()
         if at_weight:
-            self.ran[key[0]] += len(gemms)
-            self.ran_microbatches[key] += len(gemms)
-        return len(gemms)
+            self.ran_kinds.update(d.kind for d in deferred)
+            self.ran[key[0]] += len(deferred)
+            self.ran_microbatches[key] += len(deferred)
+        accumulate([(d.root, d.grad) for d in deferred])
+        return len(deferred)
 
     def pending(self) -> dict[Key, int]:
         return {key: len(gemms) for key, gemms in self._pending.items()}
+
+    def compute_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` for a deferrable GEMM, out of the graph: as is, or cast to autocast's ``dtype``
+        once per step (autocast caches its weight casts the same way)."""
+        if weight.dtype == dtype:
+            return weight.detach()
+        if not torch.is_autocast_cache_enabled():
+            return weight.detach().to(dtype)
+        key = (id(weight), dtype)
+        hit = self._casts.get(key)
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+            return hit[2]
+        cast = weight.detach().to(dtype)
+        self._casts[key] = (weakref.ref(weight), weight._version, cast)
+        return cast
+
+    def anchor(self, device: torch.device) -> torch.Tensor:
+        """A tensor that needs a gradient, for deferrable nodes whose other inputs need none (a first
+        layer on data): it keeps them in the graph. Its gradient is always None."""
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = self._anchors[device] = torch.zeros((), device=device, requires_grad=True)
+        return anchor
+
+    def forget_casts(self) -> None:
+        self._casts.clear()
 
     def clear(self) -> None:
         """Forget what an earlier step queued or ran."""
         with self._lock:
             self._pending.clear()
+        self._casts.clear()
         self.ran.clear()
         self.ran_kinds.clear()
         self.ran_microbatches.clear()
         self.ran_in_flight = 0
         self.target = None
+        self.defers_forwards = False
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` as autograd would (a first gradient is taken as is), in the parameter's layout."""
+def accumulate(gradients: list[tuple[Root, torch.Tensor]]) -> None:
+    """Give weight gradients to autograd, one call for all: each parameter's accumulation runs once,
+    with its hooks, whatever path led there. Gradients of one root are summed first, in the order
+    given (in their own dtype, as autocast's cast node sums them), so the result does not depend on
+    how they were batched."""
+    summed: dict[Any, list] = {}
+    for root, grad in gradients:
+        key = (id(root.node), root.output_nr) if isinstance(root, GradientEdge) else id(root)
+        if key in summed:
+            summed[key][1] = summed[key][1] + grad
+        else:
+            summed[key] = [root, grad]
+    if not summed:
+        return
+    roots = [root for root, _ in summed.values()]
+    grads = [_in_layout_of(root, grad) for root, grad in summed.values()]
+    torch.autograd.backward(roots, grads)
+
+
+def _in_layout_of(root: Root, grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's gradient with the parameter's placements (what its optimizer expects)."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
+    if isinstance(root, DTensor) and isinstance(grad, DTensor) and grad.placements != root.placements:
+        return grad.redistribute(root.device_mesh, root.placements)
+    return grad
 
 
-class _OutputGrad:
-    """``dY`` of one deferrable ``F.linear`` call, handed from its GEMM's backward to its operands' node."""
+def defer_or_accumulate(queue: WeightGradQueue, root: Root, gemm: Callable[[], torch.Tensor], kind: str,
+                        holds: tuple[torch.Tensor, ...]) -> None:
+    """Queue ``gemm`` for ``W`` inside an ``I``; anywhere else compute it and accumulate it now."""
+    if not queue.defer(root, gemm, kind, holds):
+        accumulate([(root, gemm())])
 
-    __slots__ = ("grad_2d",)
 
-    def __init__(self) -> None:
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a GEMM on ``tensor`` in (its device's autocast is on and it is a
+    floating-point tensor other than float64), or None."""
+    device_type = tensor.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    if not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+class _LinearCall:
+    """One deferrable ``F.linear`` call's weight, out of the graph (not an input of its nodes), and
+    ``dY``, handed from its GEMM's backward to its operands' node."""
+
+    __slots__ = ("weight", "grad_2d")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
         self.grad_2d: torch.Tensor | None = None
 
 
 class _LinearOperands(torch.autograd.Function):
     """The input of one deferrable ``F.linear`` call, passed on unchanged and saved for its
-    weight GEMM, whose gradient this node returns (or queues for ``W``).
+    weight GEMM, which this node queues for ``W`` (or accumulates at once, outside an ``I``).
 
     It runs before the GEMM and saves its operand then, while the GEMM's node saves nothing: in
     a checkpointed region's recomputation, torch stops at the last saved tensor (early stop), so
     a region ending in a linear layer skips that layer's forward GEMM, as under plain autograd.
     One node that computes and saves would save after its GEMM, which then always reruns (a
     third of a Transformer block's recomputed GEMM work when the block ends in its MLP).
+    ``anchor`` keeps the node in the graph when the input needs no gradient.
     """
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, queue: WeightGradQueue,
-                output_grad: _OutputGrad) -> torch.Tensor:
+    def forward(ctx, input: torch.Tensor, anchor: torch.Tensor | None, queue: WeightGradQueue,
+                call: _LinearCall) -> torch.Tensor:
         ctx.save_for_backward(input)
         # The gradient goes to the parameter itself: a checkpointed region's saved tensors come
         # back from its recomputation as detached aliases.
-        ctx.parameter, ctx.queue, ctx.output_grad = weight, queue, output_grad
+        ctx.queue, ctx.call = queue, call
         ctx.set_materialize_grads(False)
         return input.view_as(input)
 
     @staticmethod
     def backward(ctx, grad_input: torch.Tensor | None):
         (input,) = ctx.saved_tensors
-        grad_2d, ctx.output_grad.grad_2d = ctx.output_grad.grad_2d, None
-        grad_weight = None
-        if ctx.needs_input_grad[1] and grad_2d is not None:
-            grad_weight = _weight_gemm_or_queue(ctx.queue, ctx.parameter, grad_2d, input.reshape(-1, input.shape[-1]))
-        return grad_input, grad_weight, None, None
+        grad_2d, ctx.call.grad_2d = ctx.call.grad_2d, None
+        if grad_2d is not None:
+            input_2d = input.reshape(-1, input.shape[-1])
+            defer_or_accumulate(ctx.queue, ctx.call.weight, lambda: grad_2d.t().mm(input_2d), "linear",
+                                (grad_2d, input_2d))
+        return grad_input, None, None, None
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -211,20 +329,21 @@ class _DeferrableLinear(torch.autograd.Function):
 
     The GEMMs are those autograd runs for ``F.linear`` (``dX = dY W``, ``dW = dY^T X`` on the
     inputs flattened to 2-D), so a gradient computed at once equals autograd's. Nothing is saved
-    here (the weight is a parameter, held as is), so a recomputation may stop before the GEMM.
+    here (the weight is a parameter, or autocast's cast of one, held as is), so a recomputation
+    may stop before the GEMM.
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                input_needs_grad: bool, output_grad: _OutputGrad) -> torch.Tensor:
-        ctx.weight, ctx.input_needs_grad, ctx.output_grad = weight, input_needs_grad, output_grad
+                input_needs_grad: bool, call: _LinearCall) -> torch.Tensor:
+        ctx.weight, ctx.input_needs_grad, ctx.call = weight, input_needs_grad, call
         ctx.input_shape = input.shape
         return F.linear(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        ctx.output_grad.grad_2d = grad_2d
+        ctx.call.grad_2d = grad_2d
         grad_input, grad_bias = _input_and_bias_grads(grad_2d, ctx.weight, ctx.input_shape, ctx.input_needs_grad,
                                                       ctx.needs_input_grad[2])
         return grad_input, None, grad_bias, None, None
@@ -233,10 +352,22 @@ class _DeferrableLinear(torch.autograd.Function):
 def deferrable_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       queue: WeightGradQueue) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` whose weight GEMM waits for ``W`` when its backward runs
-    inside an ``I`` (``weight`` needs a gradient)."""
-    output_grad = _OutputGrad()
-    operand = _LinearOperands.apply(input, weight, queue, output_grad)
-    return _DeferrableLinear.apply(operand, weight, bias, input.requires_grad, output_grad)
+    inside an ``I`` (``weight``: a parameter that needs a gradient), under autocast as autocast runs it."""
+    dtype = autocast_dtype(input)
+    if dtype is None:
+        return _linear_nodes(input, weight, bias, queue, queue.compute_weight(weight, weight.dtype))
+    # cast here as autocast would (its own casts of these operands are then no-ops); no autocast
+    # context is entered: its exit could clear autocast's process-wide cast cache
+    bias = bias.to(dtype) if bias is not None else None
+    return _linear_nodes(input.to(dtype), weight, bias, queue, queue.compute_weight(weight, dtype))
+
+
+def _linear_nodes(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, queue: WeightGradQueue,
+                  compute_weight: torch.Tensor) -> torch.Tensor:
+    call = _LinearCall(weight)
+    anchor = None if input.requires_grad else queue.anchor(input.device)
+    operand = _LinearOperands.apply(input, anchor, queue, call)
+    return _DeferrableLinear.apply(operand, compute_weight, bias, input.requires_grad, call)
 
 
 def _input_and_bias_grads(grad_2d: torch.Tensor, weight: torch.Tensor, input_shape: torch.Size, input_needs_grad: bool,
@@ -260,14 +391,13 @@ def _linear_grads(ctx: Any, grad: torch.Tensor,
     return grad_input, grad_weight, grad_bias, None
 
 
-def _weight_gemm_or_queue(queue: WeightGradQueue, parameter: torch.Tensor, grad_2d: torch.Tensor,
-                          input_2d: torch.Tensor, copies: bool = False) -> torch.Tensor | None:
-    """``dW = dY^T X`` at once, or None when it is queued for ``W`` (inside an ``I``); ``copies``:
-    hold copies of the operands (a compiled graph may reuse their buffers once the call returns)."""
+def _compiled_weight_gemm(queue: WeightGradQueue, parameter: torch.Tensor, grad_2d: torch.Tensor,
+                          input_2d: torch.Tensor) -> torch.Tensor | None:
+    """``dW = dY^T X`` at once, or None when it is queued for ``W`` (inside an ``I``), on copies of
+    the operands (a compiled graph may reuse their buffers once the call returns)."""
     if queue.target is not None:
-        if copies:
-            grad_2d, input_2d = grad_2d.clone(), input_2d.clone()
-        if queue.defer_to_operand(parameter, lambda: grad_2d.t().mm(input_2d), holds=(grad_2d, input_2d)):
+        grad_2d, input_2d = grad_2d.clone(), input_2d.clone()
+        if queue.defer(parameter, lambda: grad_2d.t().mm(input_2d), holds=(grad_2d, input_2d)):
             return None
     return grad_2d.t().mm(input_2d)
 
@@ -281,7 +411,9 @@ def _linear_of(key: int) -> nn.Module | None:
     return ref() if ref is not None else None
 
 
-@torch.library.custom_op("titan_dualpipe::linear_weight_gemm", mutates_args=())
+# Marked unsafe for CUDA graphs: whether it queues is decided at run time, and a queued GEMM holds
+# its operands past the call, neither of which a captured graph can replay.
+@torch.library.custom_op("titan_dualpipe::linear_weight_gemm", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _linear_weight_gemm(grad_2d: torch.Tensor, input_2d: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
     """``dW = dY^T X`` of installed ``nn.Linear`` ``key`` in a compiled backward; inside an ``I``,
     queued for ``W`` (zeros returned: autograd adds them to the gradient, ``W`` adds the GEMM)."""
@@ -290,7 +422,7 @@ def _linear_weight_gemm(grad_2d: torch.Tensor, input_2d: torch.Tensor, weight: t
     parameter = getattr(module, "weight", None)  # the tensor autograd accumulates into (FSDP2: the gathered one)
     if queue is None or parameter.data_ptr() != weight.data_ptr() or parameter.shape != weight.shape:
         return grad_2d.t().mm(input_2d)
-    grad_weight = _weight_gemm_or_queue(queue, parameter, grad_2d, input_2d, copies=True)
+    grad_weight = _compiled_weight_gemm(queue, parameter, grad_2d, input_2d)
     return torch.zeros_like(weight) if grad_weight is None else grad_weight
 
 
@@ -332,6 +464,8 @@ class _DeferrableLinearForward:
             if _is_dtensor(weight):  # no sharding rule for the operator: the GEMM stays in the graph
                 return F.linear(input, self.weight, self.bias)
             return _CompiledDeferrableLinear.apply(input, self.weight, self.bias, self._deferral_key)
+        if not self._weight_grad_queue.routes_now():  # a forward whose backward computes its weight gradient
+            return F.linear(input, self.weight, self.bias)
         return deferrable_linear(input, self.weight, self.bias, self._weight_grad_queue)
 
 
@@ -356,7 +490,7 @@ class _DeferringLinearCalls(TorchFunctionMode):
         if func is F.linear and torch.is_grad_enabled():
             named = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
             input, weight, bias = named["input"], named["weight"], named.get("bias")
-            if isinstance(weight, torch.Tensor) and weight.requires_grad:
+            if isinstance(weight, torch.Tensor) and weight.requires_grad and weight.is_leaf:
                 return deferrable_linear(input, weight, bias, self.queue)
         return func(*args, **kwargs)
 
@@ -370,7 +504,7 @@ class _DeferrableExpertsForward:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(self, _DeferrableExpertsForward):  # uninstalled, reached through a wrapper bound before
             return type(self).forward(self, *args, **kwargs)
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not self._weight_grad_queue.routes_now():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         from .deferred_gemms import DeferringExpertGemms
 
@@ -455,6 +589,24 @@ def install(module: nn.Module, queue: WeightGradQueue, exclude: Iterable[str] = 
     return list(modules)
 
 
+def compiled_hooks_problem(module: nn.Module, exclude: Iterable[str]) -> str:
+    """Under ``weight_gradients="deferred_compiled"``: the ``nn.Linear`` modules inside compiled regions
+    whose weight has gradient hooks, which would see the compiled graph's zeros at ``I``."""
+    exclude = list(exclude)
+    compiled = set(deferrable_modules(module, exclude, compiled=True)) - set(deferrable_modules(module, exclude))
+    hooked = [name for name in sorted(compiled) if _has_grad_hooks(module.get_submodule(name).weight)]
+    if not hooked:
+        return ""
+    return (f"weight_gradients='deferred_compiled': the weights of {', '.join(hooked[:3])} inside compiled blocks have "
+            "gradient hooks (register_hook / register_post_accumulate_grad_hook), which would run at I on the compiled "
+            "graph's zeros; use weight_gradients='deferred' (compiled blocks then run their backward whole at I, hooks "
+            "as under autograd), or not_deferred=[...] naming them")
+
+
+def _has_grad_hooks(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "_backward_hooks", None) or getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def routed_to(module: nn.Module, names: Iterable[str], queue: WeightGradQueue) -> bool:
     """Whether each of ``module``'s modules ``names`` (as :func:`install` returned them) is
     installed and routes its GEMMs through ``queue``."""
@@ -464,7 +616,7 @@ def routed_to(module: nn.Module, names: Iterable[str], queue: WeightGradQueue) -
 def _deferring_instance_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An installed module's instance-level forward: the one it had, its GEMMs routed as the
     mixin's forward routes them (a bound method, so a deep copy calls the copy's forward)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not self._weight_grad_queue.routes_now():
         return self._forward_before_deferral(*args, **kwargs)
     if isinstance(self, _DeferrableLinearForward):
         routing: TorchFunctionMode = _DeferringLinearCalls(self._weight_grad_queue)

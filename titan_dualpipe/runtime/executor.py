@@ -57,7 +57,7 @@ from .._compat import (
     _PipelineContext,
     _wait_batch_p2p,
 )
-from .failures import PeerFailed, peer_failed, record
+from .failures import PeerFailed, first_line, peer_failed, record, root_cause
 from .fsdp import fsdp_modules, unshard_all
 from .in_flight import work_while_exchanges_fly
 from ..orders.dataflow import input_source, output_destination, peer_stage
@@ -95,6 +95,7 @@ class StepExecutor:
         self.place = place
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
         self.rank = schedule.rank
+        self.me = schedule.rank_name()
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.loss_kwargs = loss_kwargs
         self.return_outputs = return_outputs
@@ -110,6 +111,13 @@ class StepExecutor:
         self.done_early: set[_Action] = set()  # communication posted ahead of its place
         self.backward_count: Counter[int] = schedule.backward_counter
         self.backward_at_weight: set[tuple[int, int]] = set()
+        self.queue = schedule.weight_queue
+        self.deferring: set[tuple[int, int]] = set()  # (stage, mb) whose forward defers its weight GEMMs
+        self.deferred_forwards: set[tuple[int, int]] = set()  # ... and whose forward did
+        self.unreduced_holders: dict[int, set[int]] = {}  # by parameter: this rank's stages yet to REDUCE_GRAD it
+        for s, stage in self.stages.items():
+            for param in stage.submod.parameters():
+                self.unreduced_holders.setdefault(id(param), set()).add(s)
         self.split = SplitDecisions(schedule.whole_backward_stages, schedule.weight_gradients,
                                     schedule.deferred_weight_stages)
         self.two_batch: set[tuple[int, int]] = set()  # (stage, mb) whose forward runs in halves if it can
@@ -129,6 +137,7 @@ class StepExecutor:
         failing action's row marked, re-raise."""
         self.upcoming = list(reversed(actions))  # popped from the end
         self.two_batch = {key for key in lone_forwards(actions) if key[0] in self.schedule.two_batch_stages}
+        self.deferring = self._deferring_microbatches(actions) if self.training else set()
         action: _Action | None = None
         try:
             while self.upcoming:
@@ -151,6 +160,35 @@ class StepExecutor:
         except BaseException as err:
             self._report(err, actions, action)
             raise
+        finally:
+            self.queue.forget_casts()  # autocast's weight casts live for one step, as under autocast
+
+    def _deferring_microbatches(self, actions: list[_Action]) -> set[tuple[int, int]]:
+        """The (stage, mb) of deferring stages whose forward builds deferrable weight GEMMs: those whose
+        backward leaves them to a W (an ``I``, but on a chain's first stage, whose W runs the whole
+        backward), computes them while its exchanges fly (a ``B`` of a weights-in-flight stage), or
+        runs in two halves (so that each weight's gradient reaches autograd once, whole). The
+        others' forwards are plain autograd, and so is any whose backward or W a custom function
+        runs (``register_custom_function``)."""
+        custom = self.schedule._comp_type_to_function_map
+        keys = set()
+        for action in actions:
+            pair = action.computation_type == OVERLAP_F_B
+            if pair and OVERLAP_F_B in custom:
+                continue
+            for a in action.sub_actions if pair else (action,):
+                key, kind = (a.stage_index, a.microbatch_index), a.computation_type
+                if kind not in (B, I) or kind in custom or (kind == I and W in custom):
+                    continue
+                if key[0] not in self.schedule.deferred_weight_stages:
+                    continue
+                if key in self.two_batch:
+                    keys.add(key)
+                elif kind == I and not self.place.is_first(key[0]):
+                    keys.add(key)
+                elif kind == B and key[0] in self.schedule.weights_in_flight_stages:
+                    keys.add(key)
+        return keys
 
     def _perform(self, action: _Action) -> None:
         """``action`` by its custom function (``register_custom_function``, called as torch's runtime
@@ -171,11 +209,8 @@ class StepExecutor:
     def _report(self, err: BaseException, actions: list[_Action], action: _Action | None) -> None:
         where = f"at {action}" if action is not None else "waiting for its sends at the end of the step"
         if not isinstance(err, PeerFailed):
-            root = err
-            while root.__cause__ is not None:  # torch wraps a stage's own error: name that one
-                root = root.__cause__
-            record(self.failure_scope, f"pipeline rank {self.rank} (global rank {dist.get_rank()}) raised "
-                                       f"{type(root).__name__} {where}: {_first_line(root)}")
+            root = root_cause(err)  # torch wraps a stage's own error: name that one
+            record(self.failure_scope, f"{self.me} raised {type(root).__name__} {where}: {first_line(root)}")
         row = actions.index(action) if action is not None else None
         logger.error("pipeline rank %s failed %s (row %s of its order, marked):\n%s", self.rank, where, row,
                      _format_pipeline_order(self.schedule.pipeline_order_with_comms, error_step_number=row))
@@ -201,8 +236,7 @@ class StepExecutor:
         group = self.stages[action.stage_index].group
         peer_global = dist.get_global_rank(group, peer) if group is not None else peer
         return peer_failed(self.failure_scope,
-                           f"pipeline rank {self.rank} (global rank {dist.get_rank()}) lost pipeline rank {peer} "
-                           f"(global rank {peer_global}) at {action}: {_first_line(err)}")
+                           f"{self.me} lost pipeline rank {peer} (global rank {peer_global}) at {action}: {first_line(err)}")
 
     def timed(self, action: _Action, fn: Callable[[], None]) -> None:
         if self._clock is None:
@@ -257,10 +291,13 @@ class StepExecutor:
         stage = self.stages[s]
         self.schedule._assert_unsharded(stage)
         self.wait_input(action)
-        with self.split.observe_forward(s, mb):
+        defers = (s, mb) in self.deferring
+        with self.split.observe_forward(s, mb), self.queue.deferring(defers):
             output = stage.forward_one_chunk(
                 mb, self.arg_mbs[mb], self.kwarg_mbs[mb], save_forward_output=self.return_outputs
             )
+        if defers:
+            self.deferred_forwards.add((s, mb))
         if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
             loss = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
             self.losses[mb] = loss if self.training else loss.detach()
@@ -289,11 +326,14 @@ class StepExecutor:
             self.backward_at_weight.add((s, mb))
             return
         how = "whole" if action.computation_type == B else self.split.at_input(s, mb)
-        if action.computation_type == B and s in self.schedule.weights_in_flight_stages:
-            self._full_backward_with_weights_in_flight(stage, s, mb)
+        if how == "deferred" and (s, mb) not in self.deferred_forwards:  # its forward ran elsewhere: plain autograd
+            how = "whole"
+        if action.computation_type == B and (s, mb) in self.deferred_forwards:
+            self._collected_full_backward(stage, s, mb, self.count_backward(s))
         elif how == "deferred":  # full backward; the weight GEMMs wait in the queue for W, which counts it
-            with self.schedule.weight_queue.collecting((s, mb)):
+            with self.queue.collecting((s, mb)):
                 stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=False)
+            self.deferred_forwards.discard((s, mb))
             self._backward_done(s, mb)
             self.split.ran_at_input(s, mb, how)
         else:
@@ -311,23 +351,18 @@ class StepExecutor:
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
-    def _full_backward_with_weights_in_flight(self, stage: Any, s: int, mb: int) -> None:
-        """A full backward of a deferring stage that posts exchanges: its weight GEMMs queue as at
-        an ``I`` and run while its exchanges fly (:mod:`.in_flight`), the rest at its end. The
-        stage's last backward of the step computes them inline: torch reduces the gradients at
-        its end."""
-        last = self.count_backward(s)
-        if last:
-            stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=True)
-        else:
-            queue, key = self.schedule.weight_queue, (s, mb)
-
-            def run_queued() -> None:
-                queue.run(key, at_weight=False)
-
-            with queue.collecting(key), work_while_exchanges_fly(run_queued):
-                stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=False)
-            run_queued()
+    def _collected_full_backward(self, stage: Any, s: int, mb: int, last: bool) -> None:
+        """A full backward whose forward deferred (a ``B`` of a stage that posts exchanges, or of a
+        microbatch in halves; a chain's first stage's backward at its ``W``): its weight GEMMs queue
+        as at an ``I``, are computed while its exchanges fly (:mod:`.in_flight`), and go to autograd
+        together at its end, in the order they were queued: the gradients do not depend on which
+        ran in flight, and each weight's accumulation (its hooks) runs once, as under one plain
+        backward, also when the microbatch backpropagates in two halves."""
+        key = (s, mb)
+        with self.queue.collecting(key), work_while_exchanges_fly(lambda: self.queue.compute_in_flight(key)):
+            stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
+        self.queue.run(key, at_weight=False)
+        self.deferred_forwards.discard(key)
         self._backward_done(s, mb)
 
     def run_weight(self, action: _Action) -> None:
@@ -338,9 +373,12 @@ class StepExecutor:
             return
         last = self.count_backward(s)
         if self.split.take_deferred(s, mb):
-            self.schedule.weight_queue.run((s, mb))
+            self.queue.run((s, mb))
         elif (s, mb) in self.backward_at_weight:
             self.backward_at_weight.remove((s, mb))
+            if (s, mb) in self.deferred_forwards:
+                self._collected_full_backward(stage, s, mb, last)
+                return
             stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
         else:
             _unshard_nested(stage)
@@ -436,13 +474,18 @@ class StepExecutor:
             self.schedule.unsharded_stages.discard(action.stage_index)
 
     def reduce_grad(self, action: _Action) -> None:
-        scale = self.schedule._n_microbatches if self.schedule.scale_grads else 1
-        self.stages[action.stage_index].perform_reduce_grad(scale)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+        """torch's reduction (FSDP's post-backward), then each of the stage's gradients divided by the
+        microbatch count once: a parameter two stages of this rank hold (tied weights) once both
+        have reduced (torch's ``scale_grads`` divides it once per stage)."""
+        stage = self.stages[action.stage_index]
+        stage.perform_reduce_grad(1)
+        if not self.schedule.scale_grads:
+            return
+        for param in stage.submod.parameters():
+            holders = self.unreduced_holders.get(id(param), set())  # FSDP2 may have swapped in other objects
+            holders.discard(action.stage_index)
+            if not holders and param.grad is not None:
+                param.grad.div_(self.schedule._n_microbatches)
 
 
 def _unshard_nested(stage: Any) -> None:

@@ -10,9 +10,11 @@ and every rank further away names it too when its own wait ends.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
+import contextlib
 from collections import Counter
+from typing import Iterator
+
+import torch.distributed as dist
 
 from .._compat import default_store
 
@@ -58,3 +60,35 @@ def peer_failed(scope: str, text: str) -> PeerFailed:
     record(scope, text)
     earliest = first(scope)
     return PeerFailed(text if not earliest or earliest == text else f"{text}. First failure in the pipeline: {earliest}")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The error torch's wrappers were raised from (a stage's own error, say)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+@contextlib.contextmanager
+def named_for_every_rank(scope: str, me: str, doing: str) -> Iterator[None]:
+    """Run a block of a step whose failure every rank must hear of (``me``: "pipeline rank r (global
+    rank g)", as the executor names a rank). The first failure is recorded; a rank whose block fails
+    after another rank recorded one (its peer's connection closed under torch's own collectives,
+    say) raises :class:`PeerFailed` naming that first failure."""
+    try:
+        yield
+    except PeerFailed:
+        raise
+    except Exception as err:
+        root = root_cause(err)
+        text = f"{me} raised {type(root).__name__} {doing}: {first_line(root)}"
+        record(scope, text)
+        earliest = first(scope)
+        if earliest and not earliest.startswith(me + " "):
+            raise PeerFailed(f"{text}. First failure in the pipeline: {earliest}") from err
+        raise

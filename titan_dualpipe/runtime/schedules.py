@@ -41,16 +41,16 @@ from .timeline import TimedAction
 from .agreement import agree
 from .errors import PipelineConfigError
 from .executor import StepExecutor
-from .failures import record, schedule_scope, step_scope
+from .failures import named_for_every_rank, record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
 from .two_batch import has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
-from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, install, routed_to, uninstall,
-                               weight_gradients_problem)
+from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, compiled_hooks_problem, install, routed_to,
+                               uninstall, weight_gradients_problem)
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
-from .validation import (changed_inputs_problem, cross_rank_problem, microbatch_signature,
+from .validation import (changed_inputs_problem, cross_rank_problem, data_parallel_problem, microbatch_signature,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
 
 
@@ -62,7 +62,7 @@ def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
     if not isinstance(stages, (list, tuple)) or not stages:
         raise PipelineConfigError(problem)
     if not problem:
-        problem = requirements_problem(name, stages[0].group_size, n_microbatches)
+        problem = requirements_problem(name, stages[0].group_size, n_microbatches) or data_parallel_problem(name, stages)
     agree(problem, stages[0].group, stages[0].device)
 
 
@@ -267,18 +267,16 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                 return self._merge_outputs(stage.output_chunks)
         return None
 
-    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool | None = None,
+    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              arg_mbs: list | None = None, kwarg_mbs: list | None = None, target_mbs: list | None = None, **kwargs):
         """Forward only (no gradients), with ``step()``'s inputs.
 
-        Returns the merged outputs of this rank's last stage unless ``losses`` is given: a caller
-        that asks for the losses (torchtitan's validator) gets no outputs unless it also passes
-        ``return_outputs=True``. The schedule keeps no stage output it does not return beyond its
-        last use (its send, the next stage's forward, the loss): without ``return_outputs`` a
-        language model's logits live one microbatch at a time. Losses and returned outputs come
-        without autograd graphs."""
-        if return_outputs is None:
-            return_outputs = losses is None
+        Returns the merged outputs of this rank's last stage, as torch's schedules do.
+        ``return_outputs=False`` returns None and keeps no stage output beyond its last use (its
+        send, the next stage's forward, the loss): a language model's logits then live one
+        microbatch at a time instead of all at once (the torchtitan adapter passes it: its
+        validator reads the losses only). Losses and returned outputs come without autograd
+        graphs."""
         has_backward = self._has_backward
         try:
             self._has_backward = False
@@ -358,6 +356,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         holds_last = any(self.placement.is_last(s.stage_index) for s in self._stages)
         passes_target = target is not None or target_mbs is not None
         group, device = self._stages[0].group, self._stages[0].device
+        problem = problem or self._stage_modules_problem()
         table = agree(problem, group, device, facts=[int(holds_last), int(holds_last and passes_target), size])
         problem = cross_rank_problem(self.placement, table)
         if problem:  # the same on every rank: the table is
@@ -365,27 +364,44 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._agreed_inputs[self._has_backward] = microbatch_signature(*microbatches)
         return microbatches
 
+    def _stage_modules_problem(self) -> str:
+        """What the stage modules have become since construction that this schedule cannot run (hooks
+        registered on compiled blocks' deferred weights, say); checked at the first step and eval."""
+        if self.weight_gradients != "deferred_compiled":
+            return ""
+        not_deferred, _ = self._deferral_settings
+        return next((problem for stage in self._stages if stage.stage_index in self.deferred_weight_stages
+                     if (problem := compiled_hooks_problem(stage.submod, not_deferred))), "")
+
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
-        self._before_stage_init()
-        initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
-        self._before_first_step()
         scope = step_scope(self._failure_scope, self._steps_run)
         self._steps_run += 1
+        # torch's stage initialisation runs forwards, a backward and its own collectives: a failure
+        # there (or in the twins' exchanges) must reach every rank as one in the order does
+        with named_for_every_rank(scope, self.rank_name(), "before the first action"):
+            self._before_stage_init()
+            initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+            self._before_first_step()
         self._reset_step_state(loss_kwargs)
         executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs,
                                 failure_scope=scope)
         executor.run(self.pipeline_order_with_comms[self.rank])
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
-        self._after_step(executor)
+        with named_for_every_rank(scope, self.rank_name(), "after the last action"):
+            self._after_step(executor)
         self.whole_backwards = set(executor.split.whole)  # (stage, mb) whose I ran the full backward
         if self.record_timeline:
             self.timeline = executor.timeline
         self._publish_losses(executor, losses)
         self._reset_step_state(None)  # the step's losses and receives are not kept past it
+
+    def rank_name(self) -> str:
+        """How failure reports name this rank: "pipeline rank r (global rank g)"."""
+        return f"pipeline rank {self.rank} (global rank {dist.get_rank()})"
 
     def collect_timeline(self) -> list[TimedAction]:
         """Every rank's recorded actions of the last step (``record_timeline=True``), on every rank.

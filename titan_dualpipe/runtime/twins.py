@@ -88,7 +88,9 @@ def prepare_folded(modules: list[nn.Module]) -> None:
 
 
 def _params_by_part(modules_by_part: dict[int, nn.Module]) -> list[nn.Parameter]:
-    return [p for part in sorted(modules_by_part) for p in modules_by_part[part].parameters()]
+    """Every parameter once, in part order (a weight tied across the two parts counts in the first)."""
+    unique = {id(p): p for part in sorted(modules_by_part) for p in modules_by_part[part].parameters()}
+    return list(unique.values())
 
 
 def sum_twin_grads(

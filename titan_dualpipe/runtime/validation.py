@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .._compat import replicated_by_ddp
 from ..orders.placement import Placement, check_requirements
 
 
@@ -25,6 +26,21 @@ def stage_problem(name: str, stages: Any) -> str:
     if sorted(ids) != expected or any(t != 2 * pp for t in totals):
         return (f"{name} on rank {rank} of {pp} needs stages {expected} with num_stages={2 * pp}; got stage ids "
                 f"{ids} with num_stages {totals}. Rank r holds stages r and 2*pp-1-r (V placement)")
+    return ""
+
+
+def data_parallel_problem(name: str, stages: Any) -> str:
+    """Stage modules under a data parallelism the pipeline cannot drive: composable ``replicate``
+    (DDP's reducer) reduces inside every microbatch's backward and gives wrong gradients under
+    pipelining (torch's ``ScheduleDualPipeV`` too, tests/contract_cases.py)."""
+    for stage in stages:
+        names = replicated_by_ddp(stage.submod)
+        if names:
+            shown = ", ".join(repr(n or "<stage module>") for n in names[:3])
+            return (f"{name}: stage {stage.stage_index}'s modules {shown} are under torch.distributed._composable."
+                    "replicate, whose DDP reducer runs in every microbatch's backward and gives wrong gradients under "
+                    "pipelining; use torch.distributed._composable.replicate_with_fsdp.replicate (or fully_shard), "
+                    "which the pipeline reduces once per step")
     return ""
 
 

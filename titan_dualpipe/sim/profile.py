@@ -105,7 +105,8 @@ def _deferred_input_backward(module, queue, stage, place: Placement, rows: int, 
     (``time.perf_counter()``)."""
     from ..testing.model import lm_loss
 
-    out = module(torch.randn(rows, cfg["seq"], cfg["dim"], requires_grad=True))
+    with queue.deferring():
+        out = module(torch.randn(rows, cfg["seq"], cfg["dim"], requires_grad=True))
     if place.is_last(stage.stage_index):
         roots, grads = [lm_loss(out, torch.zeros(rows, cfg["seq"], dtype=torch.long))], None
     else:

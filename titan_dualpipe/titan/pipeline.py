@@ -39,6 +39,8 @@ our schedules run overlapped pairs themselves. Every other name gets torchtitan'
 
 from __future__ import annotations
 
+import functools
+
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -194,6 +196,8 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
                                     overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option(),
                                     **weight_gradient_options())
+    # torchtitan's validator reads the losses only: no microbatch's logits outlive their loss
+    schedule.eval = functools.partial(schedule.eval, return_outputs=False)
     ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
     if fold.WINDOW.used and not ACTIVE.folded:
         raise RuntimeError("DualPipe: the model parts were sharded over twin pipeline ranks but the schedule does "

@@ -1,0 +1,92 @@
+"""The autograd contract: what works under plain autograd and torch's ``ScheduleDualPipeV`` works
+under ours (the differential harness, tests/contract_cases.py: CPU, gloo, 4 spawned ranks).
+
+Every autograd feature of :data:`contract_cases.FEATURES`, under both schedules, every backward
+path and activation-checkpointing mode, trains two steps as plain autograd does: losses, every
+gradient on every rank, what the hooks saw. torch's ``ScheduleDualPipeV`` gives the same gradients
+where it trains the feature; a combination the schedules cannot run is refused before the first
+step, on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import contract_cases as cases
+from dist_pool import WorkerPool
+
+SCHEDULES = ("DualPipeV", "DualPipe")
+TABLE = [(feature, schedule) for feature, spec in cases.FEATURES.items() for schedule in SCHEDULES
+         if any(spec.runs(schedule, path, ac) for path in cases.PATHS for ac in cases.AC_MODES)]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(cases.WORLD)
+    yield p
+    p.close()
+
+
+def _ran(results: list) -> list[dict]:
+    ran = [r for r in results if r is not None]
+    assert ran, "no rank ran the case"
+    return ran
+
+
+@pytest.mark.parametrize("feature,schedule", TABLE)
+def test_a_feature_trains_as_under_plain_autograd(pool, feature, schedule):
+    """Per path and AC mode: the losses and every gradient of every rank within the feature's
+    tolerance of plain autograd's; hooks saw each microbatch's whole gradient, once; deferred paths
+    deferred and weights flew where they should. Refused combinations: the same PipelineConfigError
+    on every rank."""
+    spec = cases.FEATURES[feature]
+    ran = _ran(pool.run(cases.contract_table, timeout_s=600, feature_name=feature, schedule=schedule))
+    combos = set(ran[0])
+    assert combos and all(set(r) == combos for r in ran), ran
+    for combo in combos:
+        results = [r[combo] for r in ran]
+        if spec.refused:
+            assert len({r["refused"] for r in results}) == 1, results
+            continue
+        path = combo.split("/")[0]
+        assert sum(r["losses"] for r in results) > 0, (combo, results)  # some rank holds the losses
+        assert max(r["grad_err"] for r in results) <= max(spec.tolerance), (combo, results)
+        if spec.records:
+            assert all(r["records"] > 0 for r in results), (combo, results)
+        if path in ("I+W", "relay", "protocol") and cases.LAYOUT[schedule][0] == spec.layout(schedule)[0]:
+            assert sum(r["deferred"] for r in results) > 0, (combo, results)  # Ws ran queued GEMMs
+        if path in ("relay", "protocol", "two_batch"):
+            assert sum(r["in_flight"] for r in results) > 0, (combo, results)  # full backwards' GEMMs flew
+
+
+AGREED = [feature for feature, spec in cases.FEATURES.items()
+          if not spec.torch_fails and not spec.refused and "DualPipeV" in spec.schedules
+          and set(spec.ac_modes) & set(cases.TORCH_AC_MODES)]
+
+
+@pytest.mark.parametrize("feature", AGREED)
+def test_ours_and_torchs_dualpipev_agree(pool, feature):
+    """Our DualPipeV and torch's on the same model and feature, every AC mode it runs: the same
+    gradients on every rank (autocast: within bfloat16's tolerance)."""
+    spec = cases.FEATURES[feature]
+    for ac in [ac for ac in spec.ac_modes if ac in cases.TORCH_AC_MODES]:
+        ran = _ran(pool.run(cases.torch_agrees, timeout_s=300, feature_name=feature, ac=ac))
+        assert max(r["grad_diff"] for r in ran) <= max(spec.tolerance), (ac, ran)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3], ids=["first_backward", "in_the_order"])
+def test_a_failure_is_named_on_every_rank(fail_at):
+    """Rank 0 raises in a backward (its own pool: the failure leaves unmatched messages behind):
+    rank 0 raises that error, rank 1 a PeerFailed naming it, also when it happens inside torch's
+    stage initialisation (whose own collectives the other rank waits in)."""
+    timeout = 10.0
+    own = WorkerPool(2, pg_timeout_s=timeout)
+    try:
+        results = own.run(cases.failure_named_on_every_rank, timeout_s=120, fail_at=fail_at, group_timeout_s=timeout)
+    finally:
+        own.close(kill=True)
+    first, second = sorted(_ran(results), key=lambda r: r["rank"])
+    assert first["cause"].startswith("ValueError: boom in backward call"), first
+    assert second["raised"].startswith("PeerFailed: "), second
+    assert "First failure in the pipeline: pipeline rank 0" in second["raised"], second
+    assert "raised ValueError" in second["raised"] and "boom in backward call" in second["raised"], second
