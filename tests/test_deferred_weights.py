@@ -540,3 +540,39 @@ def test_weights_in_flight_never_run_inside_a_recomputation(ac):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad is None and q.grad is None) if ac != "nested" and name.startswith("inner") \
             else torch.equal(p.grad, q.grad), name
+
+
+def test_a_queued_expert_gemm_holds_only_what_it_reads():
+    """An expert GEMM on a copy of the expert weights (torchtitan casts them to bfloat16 first): after
+    I, its queued weight GEMM holds the output gradient and the tokens, not the copy, which is freed;
+    W gives the gradient back through the copy's graph, as autograd does."""
+    import gc
+    import weakref
+
+    from titan_dualpipe.runtime.deferred_gemms import DeferringExpertGemms
+
+    torch.manual_seed(0)
+    experts = nn.Parameter(torch.randn(4, 16, 32))
+    tokens = torch.randn(4, 3, 16, requires_grad=True)
+    queue = WeightGradQueue()
+    with DeferringExpertGemms(queue):
+        copy = experts * 1.0
+        out = torch.bmm(tokens, copy)
+    held = weakref.ref(copy)
+    del copy
+    with queue.collecting((0, 0)):
+        out.square().sum().backward()
+    gc.collect()
+    assert held() is None and experts.grad is None and queue.pending() == {(0, 0): 1}
+    queue.run((0, 0))
+    reference = experts.detach().clone().requires_grad_()
+    torch.bmm(tokens.detach(), reference * 1.0).square().sum().backward()
+    torch.testing.assert_close(experts.grad, reference.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_the_compiled_weight_gemm_is_unsafe_for_cuda_graphs():
+    """Whether it queues is decided at run time, and a queued GEMM outlives the call: a CUDA graph
+    (``mode="reduce-overhead"``) must not capture it."""
+    import titan_dualpipe.runtime.deferred_weights  # noqa: F401 - registers the operator
+
+    assert torch.Tag.cudagraph_unsafe in torch.ops.titan_dualpipe.linear_weight_gemm.default.tags

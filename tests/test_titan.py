@@ -414,7 +414,10 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     switch halves at torchtitan's expert-parallel all-to-all, and with two-batch overlap on
     (``TITAN_DUALPIPE_TWO_BATCH=1``) the lone forwards of its MoE stages run as two relayed halves
     that switch there too. The run without it (the default) logs the same losses and grad norms
-    (a split microbatch's weight gradients are sums of two half-batch gradients: summation order)."""
+    (a split microbatch's weight gradients are sums of two half-batch gradients: summation order).
+    Full backwards compute their weight GEMMs while their exchanges fly (never inside a block's
+    recomputation) and accumulate them in one order: a run computing them inline
+    (``TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT=0``) ends with bitwise the same weights."""
     steps = 3
     two_rows = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
                 "--training.seq_len", "32")
@@ -445,6 +448,12 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     assert all(whole.probe(rank)["halves"]["microbatches"] == 0 for rank in range(4))
     _assert_close(run.losses(), whole.losses(), rel=1e-4)
     _assert_close(run.grad_norms(), whole.grad_norms(), rel=1e-4)
+    inline = _ok(train("debug_moe_dualpipe", runs_dir / "moe_v_inline", *args, probe=True, nproc=4, steps=steps,
+                       env={WEIGHTS_IN_FLIGHT_ENV: "0"}))
+    assert inline.logged() == whole.logged()
+    for rank in range(4):
+        assert whole.probe(rank)["deferred_in_flight"] > 0 and inline.probe(rank)["deferred_in_flight"] == 0
+        assert inline.probe(rank)["stages"] == whole.probe(rank)["stages"], rank
 
 
 @pytest.mark.titan_e2e
@@ -918,6 +927,9 @@ class _RecordedSchedule:
         self.kwargs = kwargs
         self.weight_gradients = kwargs.get("weight_gradients")
 
+    def eval(self, *args, return_outputs: bool = True, **kwargs) -> bool:
+        return return_outputs
+
 
 # (config switch given, TITAN_DUALPIPE_TWO_BATCH, two_batch_overlap the schedule gets): either turns it on
 TWO_BATCH_CASES = [(False, None, False), (False, "0", False), (False, "1", True),
@@ -984,6 +996,12 @@ def _built_with(monkeypatch: pytest.MonkeyPatch, *args: str) -> _RecordedSchedul
         return pipeline.make_build_schedule_030(torchtitans)(
             parallelism=par, local_batch_size=batch, stages=[], loss_fn=lambda *a: (a, None))
     return pipeline.make_build_schedule(torchtitans)(job, [], lambda *a: a)
+
+
+def test_the_adapters_eval_keeps_no_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's validator reads the losses only: the schedule the adapter builds evaluates with
+    ``return_outputs=False`` (eval's default, torch's, returns every microbatch's logits)."""
+    assert _built_with(monkeypatch).eval() is False
 
 
 # (config field (0.3.0), TITAN_DUALPIPE_WEIGHT_GRADIENTS, TITAN_DUALPIPE_NOT_DEFERRED, what the schedule gets)

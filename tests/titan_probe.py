@@ -82,6 +82,7 @@ def _install_probe(out_dir: str) -> None:
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
                 "deferred_weights": {str(s): names for s, names in getattr(schedule, "deferred_weights", {}).items()},
                 "deferred_last_step": dict(schedule.weight_queue.ran_kinds) if hasattr(schedule, "weight_queue") else {},
+                "deferred_in_flight": getattr(getattr(schedule, "weight_queue", None), "ran_in_flight", 0),
             }
             path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
             path.write_text(json.dumps(record))

@@ -411,3 +411,52 @@ def test_deferred_weight_gemms_on_the_device():
     queue.run((1, 1))
     torch.testing.assert_close(got_input, want_input)
     torch.testing.assert_close(experts.grad, want_weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_deferred_weight_gemms_under_the_devices_autocast(dtype):
+    """Deferred weight GEMMs under the device's autocast (CUDA's float16 default and bfloat16), with a
+    tensor hook on each weight: the GEMMs run in autocast's dtype, each weight's gradient lands in
+    its own dtype through autograd (the hook sees it once, whole), equal to plain autocast's."""
+    from titan_dualpipe.runtime.deferred_weights import WeightGradQueue, install
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(DEVICE)
+    deferred, queue = copy.deepcopy(reference), WeightGradQueue()
+    install(deferred, queue)
+    seen: list[torch.dtype] = []
+    for m in deferred:
+        if isinstance(m, nn.Linear):
+            m.weight.register_hook(lambda g: seen.append(g.dtype))
+    x = torch.randn(4, 16, 64, device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        reference(x).float().square().sum().backward()
+        with queue.deferring():
+            loss = deferred(x).float().square().sum()
+    with queue.collecting((1, 0)):
+        loss.backward()
+    assert all(m.weight.grad is None for m in deferred if isinstance(m, nn.Linear)) and not seen
+    queue.run((1, 0))
+    assert seen == [torch.float32, torch.float32]
+    for p, q in zip(deferred.parameters(), reference.parameters()):
+        assert p.grad.dtype == p.dtype
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(ON_CPU, reason="streams: an accelerator's")
+def test_the_relay_gives_its_helper_thread_its_own_stream_back():
+    """A relayed pair runs its backward half on the helper thread in the caller's stream; after the
+    pair the helper thread is on its own stream again."""
+    side = torch.cuda.Stream()
+    during, after = [], []
+    helper = relay_module._helper_thread()
+    done = threading.Event()
+    helper.submit(lambda: (after.append(torch.cuda.current_stream()), done.set()))
+    done.wait()
+    own = after.pop()
+    with torch.cuda.stream(side):
+        relay_module.run_relayed(relay_module.hand_over, lambda: during.append(torch.cuda.current_stream()))
+    done.clear()
+    helper.submit(lambda: (after.append(torch.cuda.current_stream()), done.set()))
+    done.wait()
+    assert during == [side] and after == [own]

@@ -182,13 +182,17 @@ class WeightGradQueue:
         a full backward that computed some in flight); how many there were."""
         with self._lock:
             deferred = self._pending.pop(key, [])
-        for d in deferred:
-            d.compute()
         if at_weight:
             self.ran_kinds.update(d.kind for d in deferred)
             self.ran[key[0]] += len(deferred)
             self.ran_microbatches[key] += len(deferred)
-        accumulate([(d.root, d.grad) for d in deferred])
+        # one parameter at a time: its hooks run once, on its whole gradient, and no more than one
+        # parameter's results are alive at once (a stage's weights' worth would be)
+        for group in _by_parameter(deferred):
+            for d in group:
+                d.compute()
+            accumulate([(d.root, d.grad) for d in group])
+            group.clear()  # its results go with the entries
         return len(deferred)
 
     def pending(self) -> dict[Key, int]:
@@ -233,11 +237,35 @@ class WeightGradQueue:
         self.defers_forwards = False
 
 
+def _by_parameter(deferred: list[_Deferred]) -> list[list[_Deferred]]:
+    """``deferred`` grouped by the parameter its gradient reaches (an operand's edge: through the
+    operand's graph), groups in the order of their first entry, entries in queue order."""
+    groups: dict[int, list[_Deferred]] = {}
+    for d in deferred:
+        groups.setdefault(id(_parameter_of(d.root)), []).append(d)
+    return list(groups.values())
+
+
+def _parameter_of(root: Root) -> Any:
+    """The leaf a root's gradient accumulates into: the parameter, or the end of an operand's chain of
+    single-input nodes (slice, cast, transpose, ``to_local``); the edge's node where it branches."""
+    if not isinstance(root, GradientEdge):
+        return root
+    node = root.node
+    while True:
+        if hasattr(node, "variable"):  # AccumulateGrad
+            return node.variable
+        edges = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(edges) != 1:
+            return node
+        node = edges[0]
+
+
 def accumulate(gradients: list[tuple[Root, torch.Tensor]]) -> None:
-    """Give weight gradients to autograd, one call for all: each parameter's accumulation runs once,
-    with its hooks, whatever path led there. Gradients of one root are summed first, in the order
-    given (in their own dtype, as autocast's cast node sums them), so the result does not depend on
-    how they were batched."""
+    """Give weight gradients to autograd, one call: each parameter's accumulation runs once, with its
+    hooks, whatever path led there. Gradients of one root are summed first, in the order given (in
+    their own dtype, as autocast's cast node sums them), so the result does not depend on when each
+    was computed."""
     summed: dict[Any, list] = {}
     for root, grad in gradients:
         key = (id(root.node), root.output_nr) if isinstance(root, GradientEdge) else id(root)

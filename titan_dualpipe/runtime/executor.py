@@ -166,10 +166,12 @@ class StepExecutor:
     def _deferring_microbatches(self, actions: list[_Action]) -> set[tuple[int, int]]:
         """The (stage, mb) of deferring stages whose forward builds deferrable weight GEMMs: those whose
         backward leaves them to a W (an ``I``, but on a chain's first stage, whose W runs the whole
-        backward), computes them while its exchanges fly (a ``B`` of a weights-in-flight stage), or
-        runs in two halves (so that each weight's gradient reaches autograd once, whole). The
-        others' forwards are plain autograd, and so is any whose backward or W a custom function
-        runs (``register_custom_function``)."""
+        backward), or computes them while its exchanges fly (any backward of a weights-in-flight
+        stage: a ``B``, and a chain's first stage's backward in two halves, so that each weight's
+        gradient reaches autograd once, whole). The others' forwards are plain autograd (a
+        microbatch in halves on a stage without exchanges then accumulates per half, its operands
+        not held to the backward's end), and so is any whose backward or W a custom function runs
+        (``register_custom_function``)."""
         custom = self.schedule._comp_type_to_function_map
         keys = set()
         for action in actions:
@@ -182,11 +184,10 @@ class StepExecutor:
                     continue
                 if key[0] not in self.schedule.deferred_weight_stages:
                     continue
-                if key in self.two_batch:
+                flying = key[0] in self.schedule.weights_in_flight_stages
+                if kind == I and not self.place.is_first(key[0]):
                     keys.add(key)
-                elif kind == I and not self.place.is_first(key[0]):
-                    keys.add(key)
-                elif kind == B and key[0] in self.schedule.weights_in_flight_stages:
+                elif flying and (kind == B or key in self.two_batch):
                     keys.add(key)
         return keys
 
