@@ -70,6 +70,16 @@ AGNOSTIC_IDS = {
 }
 
 
+@pytest.fixture(scope="module")
+def pool(request: pytest.FixtureRequest):
+    """The module's process pool of ``WORLD`` ranks (a module-level ``WORLD``), spawned once per module."""
+    from dist_pool import WorkerPool
+
+    p = WorkerPool(request.module.WORLD)
+    yield p
+    p.close()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     marker = pytest.mark.torch_agnostic
     named = {(module, name) for module, names in AGNOSTIC_TESTS.items() for name in names}

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+from datetime import timedelta
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -175,6 +176,12 @@ class Feature:
     context: Callable[[], ContextManager] = contextlib.nullcontext
     tolerance: tuple[float, float] = FP32
     torch_fails: str = ""  # why torch's ScheduleDualPipeV cannot train it; "" when it does
+    torch_fails_on: frozenset = frozenset()  # ... only on these (major, minor) releases (checked), else everywhere
+
+    def torch_trains(self) -> bool:
+        from titan_dualpipe._compat import TORCH_VERSION
+
+        return not self.torch_fails or bool(self.torch_fails_on) and TORCH_VERSION not in self.torch_fails_on
     records: str = ""  # what the hooks saw: "tensor" (a gradient each), "post" (.grad after each), "module"
     kwargs: bool = False  # step() gets a keyword input (the first part reads it)
     schedules: tuple[str, ...] = ("DualPipeV", "DualPipe")
@@ -327,7 +334,8 @@ FEATURES: dict[str, Feature] = {
         "two_batch", "two-batch halves call a module twice, on half batches: its hooks run per call")),
     "frozen_with_adapters": Feature(prepare=_frozen_with_adapters),
     "parametrizations": Feature(prepare=_parametrized),
-    "reused_layer": Feature(prepare=_options("reused_layer")),
+    "reused_layer": Feature(prepare=_options("reused_layer"), torch_fails_on=frozenset({(2, 11)}), torch_fails=(
+        "torch 2.11's gives the reused weight another gradient than autograd's (2.13's matches)")),
     "tied_across_stages": Feature(prepare=_tied_across_stages, torch_fails=(
         "its REDUCE_GRAD divides a weight two stages hold once per stage")),
     "nested_checkpoint": Feature(prepare=_options("nested_checkpoint"), ac_modes=("full", "selective")),
@@ -335,7 +343,9 @@ FEATURES: dict[str, Feature] = {
         "torch's shape inference backpropagates through torch.autograd.grad, which a reentrant checkpoint refuses"),
         torch_fails="its split backward fails in a reentrant checkpoint's own backward (\"grad can be implicitly "
                     "created only for scalar outputs\")"),
-    "input_without_grad": Feature(prepare=_options("input_without_grad")),
+    "input_without_grad": Feature(prepare=_options("input_without_grad"), torch_fails_on=frozenset({(2, 11)}),
+                                  torch_fails="torch 2.11's backpropagates the output that needs no gradient: "
+                                              "\"element 1 of tensors does not require grad\""),
     "keyword_inputs": Feature(kwargs=True),
     "replicate_ddp": Feature(data_parallel=_replicate_ddp, refused="torch.distributed._composable.replicate"),
     "compiled_deferred_with_hooks": Feature(hooks=_compiled_with_tensor_hooks,
@@ -424,10 +434,13 @@ def _stage_modules(parts: list[Part], schedule: str, place: Any, pp_rank: int) -
 
 
 def _build(cls: type, modules: dict[int, Part], group, place: Any, static_shapes: bool = False, **options: Any):
+    from titan_dualpipe._compat import runnable_on_gloo
+
     stages = [PipelineStage(module, s, place.num_stages, torch.device("cpu"), group=group,
                             **(_shapes(module) if static_shapes else {}))
               for s, module in modules.items()]
-    return cls(stages, place.n_microbatches, loss_fn=loss_fn, **options)
+    schedule = cls(stages, place.n_microbatches, loss_fn=loss_fn, **options)
+    return schedule if isinstance(schedule, (ScheduleDualPipeV, ScheduleDualPipe)) else runnable_on_gloo(schedule)
 
 
 def _shapes(module: Part) -> dict:
@@ -577,8 +590,10 @@ def _layout(pp: int, dp: int) -> _Ranks | None:
     """Every rank creates every group of the layout, in one order (``new_group`` is collective); None
     on the ranks outside it."""
     rank = dist.get_rank()
-    pp_groups = [dist.new_group([i * dp + d for i in range(pp)]) for d in range(dp)]
-    dp_groups = [dist.new_group([i * dp + d for d in range(dp)]) for i in range(pp)]
+    # a minute: a case's steps take well under a second, and a rank that raised must not hold its peers long
+    timeout = timedelta(seconds=60)
+    pp_groups = [dist.new_group([i * dp + d for i in range(pp)], timeout=timeout) for d in range(dp)]
+    dp_groups = [dist.new_group([i * dp + d for d in range(dp)], timeout=timeout) for i in range(pp)]
     if rank >= pp * dp:
         return None
     return _Ranks(pp_groups[rank % dp], rank // dp, dp_groups[rank // dp], rank % dp)

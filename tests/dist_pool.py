@@ -196,6 +196,13 @@ class WorkerPool:
         self._procs = []
 
 
+def ran(results: list) -> list:
+    """The results of the ranks that ran a case (the others return None); at least one."""
+    ran = [r for r in results if r is not None]
+    assert ran, "no rank ran the case"
+    return ran
+
+
 def one_rank_process_group():
     """A generator for a module fixture: this process as a gloo group of one rank (yields the
     group); skips when the process already has a group."""

@@ -164,13 +164,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
               "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0,
               "deferred_expert_gemms": 0, "deferred_linear_gemms": 0, "weight_gemms_in_flight": 0}
     for step in range(steps):
-        want = []
-        for d in range(EP):
-            xd, yd = batch(step, n, d)
-            losses_d = reference_step(reference, xd, yd, n, scale_grads=True)
-            want = losses_d if d == ep_index else want
-        for p in reference.parameters():
-            p.grad /= EP
+        want = _reference_losses(reference, step, n, ep_index)
         x, y = batch(step, n, ep_index)
         got: dict[bool, tuple[list[float], list[torch.Tensor]]] = {}
         for overlap, (_, modules, sched, _) in runs.items():
@@ -188,16 +182,33 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
                 result["losses_checked"] += len(losses)
             got[overlap] = (losses, raw)
-        assert got[True][0] == got[False][0], f"step {step}: losses differ with and without overlap"
-        for a, b in zip(got[True][1], got[False][1], strict=True):
-            assert torch.equal(a, b), f"step {step}: overlap changed a gradient by {(a - b).abs().max().item()}"
-            result["bitwise_tensors"] += 1
+        result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: overlap")
         for opt in (*opts.values(), ref_opt):
             opt.step()
             opt.zero_grad()
     if compile_backend:
         result["compiled_frames"] = counters["frames"]["ok"]
     return result
+
+
+def _bitwise_equal(got: dict[bool, tuple[list[float], list[torch.Tensor]]], label: str) -> int:
+    """The runs with a switch on and off gave the same losses and gradients, bit for bit; how many tensors."""
+    assert got[True][0] == got[False][0], f"{label} changed the losses"
+    for a, b in zip(got[True][1], got[False][1], strict=True):
+        assert torch.equal(a, b), f"{label} changed a gradient by {(a - b).abs().max().item()}"
+    return len(got[True][1])
+
+
+def _reference_losses(reference: nn.Module, step: int, n: int, ep_index: int) -> list[float]:
+    """The reference step over every expert-parallel rank's batch (gradients averaged over them);
+    this rank's losses."""
+    want: list[float] = []
+    for d in range(EP):
+        losses_d = reference_step(reference, *batch(step, n, d), n, scale_grads=True)
+        want = losses_d if d == ep_index else want
+    for p in reference.parameters():
+        p.grad /= EP
+    return want
 
 
 def weights_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, steps: int = 2) -> dict:
@@ -213,12 +224,7 @@ def weights_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, 
             for k, r in runs.items()}
     result = {"grad_err": 0.0, "bitwise_tensors": 0, "in_flight": 0, "losses_checked": 0}
     for step in range(steps):
-        want = []
-        for d in range(EP):
-            losses_d = reference_step(reference, *batch(step, n, d), n, scale_grads=True)
-            want = losses_d if d == ep_index else want
-        for p in reference.parameters():
-            p.grad /= EP
+        want = _reference_losses(reference, step, n, ep_index)
         x, y = batch(step, n, ep_index)
         got = {}
         for flying, (_, modules, sched, _) in runs.items():
@@ -231,10 +237,7 @@ def weights_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, 
                 result["losses_checked"] += len(losses)
             result["in_flight"] += sched.weight_queue.ran_in_flight if flying else 0
             got[flying] = (losses, raw)
-        assert got[True][0] == got[False][0], f"step {step}: losses differ with weights in flight on and off"
-        for a, b in zip(got[True][1], got[False][1], strict=True):
-            assert torch.equal(a, b), f"step {step}: weights in flight changed a gradient by {(a - b).abs().max().item()}"
-            result["bitwise_tensors"] += 1
+        result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: weights in flight")
         for opt in (*opts.values(), ref_opt):
             opt.step()
             opt.zero_grad()
@@ -276,12 +279,7 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
     MoETransformer.overlapped_halves_backward = classmethod(lambda c, m, h: fused.append(1) or real_fused[1](c, m, h))
     try:
         for step in range(steps):
-            want = []
-            for d in range(EP):
-                losses_d = reference_step(reference, *batch(step, n, d), n, scale_grads=True)
-                want = losses_d if d == ep_index else want
-            for p in reference.parameters():
-                p.grad /= EP
+            want = _reference_losses(reference, step, n, ep_index)
             x, y = batch(step, n, ep_index)
             grads = {}
             for split, (_, modules, sched, _) in runs.items():
