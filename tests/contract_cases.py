@@ -11,7 +11,9 @@ same model where torch's trains it, and compares gradients with it.
 The model: ``2 * pp`` parts (DualPipeV) or ``pp`` parts (DualPipe) of a small residual MLP. Each
 part's block posts a stand-in expert-parallel exchange (a hand-over point, forward and backward)
 on the paths that overlap, so relayed pairs switch halves there and full backwards run their
-weight GEMMs in flight, inside checkpointed regions too.
+weight GEMMs in flight, inside checkpointed regions too. Data- and tensor-parallel features run
+pp 2 x 2; a combination the schedules refuse must raise the same PipelineConfigError on every
+rank before the first step. :func:`failure_named_on_every_rank` is the failure path.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ LAYOUT = {"DualPipeV": (2, 4), "DualPipe": (4, 8)}
 WORLD = 4
 AC_MODES = ("none", "full", "selective")
 # torch's ScheduleDualPipeV splits a backward into I and W, two autograd passes: a selective-AC
-# region refuses the second ("Trying to backward through the graph a second time")
+# region refuses the second ("Trying to backward an extra time")
 TORCH_AC_MODES = ("none", "full")
 FP32 = (1e-5, 4e-5)  # (rtol, atol): the project's tolerance
 BF16 = (3e-2, 3e-2)  # autocast's bfloat16 GEMMs, summed over microbatches in another order
