@@ -436,7 +436,7 @@ def _stage_modules(parts: list[Part], schedule: str, place: Any, pp_rank: int) -
 
 
 def _build(cls: type, modules: dict[int, Part], group, place: Any, static_shapes: bool = False, **options: Any):
-    from titan_dualpipe._compat import runnable_on_gloo
+    from titan_dualpipe._compat.stage_init import runnable_on_gloo
 
     stages = [PipelineStage(module, s, place.num_stages, torch.device("cpu"), group=group,
                             **(_shapes(module) if static_shapes else {}))

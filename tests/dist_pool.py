@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], 
     import torch
     import torch.distributed as dist
 
-    from titan_dualpipe._compat import native_stacks_on_fatal_signal
+    from titan_dualpipe._compat.c10d import native_stacks_on_fatal_signal
 
     native_stacks_on_fatal_signal()  # after faulthandler: C++ stacks first, then it adds the Python ones
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
-from titan_dualpipe._compat import runnable_on_gloo
+from titan_dualpipe._compat.stage_init import runnable_on_gloo
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
 from titan_dualpipe.overlap import pair as pair_module

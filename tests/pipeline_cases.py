@@ -47,7 +47,8 @@ def _from_csv(cls, csv_format: str):
 
 def _torch_runtime_from_csv(stages, n, **kwargs):
     """torch's own ``_PipelineScheduleRuntime`` running our DualPipeV compute_only CSV."""
-    from titan_dualpipe._compat import _PipelineScheduleRuntime, runnable_on_gloo
+    from titan_dualpipe._compat.pipelining import _PipelineScheduleRuntime
+    from titan_dualpipe._compat.stage_init import runnable_on_gloo
     from titan_dualpipe.cli import main as cli_main
 
     pp = stages[0].group_size
@@ -410,7 +411,7 @@ def torch_schedule_grad_error(name: str, pp: int, n: int, fsdp: bool) -> float |
     from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
-    from titan_dualpipe._compat import runnable_on_gloo
+    from titan_dualpipe._compat.stage_init import runnable_on_gloo
 
     cls = {"torch DualPipeV": TorchDualPipeV, "ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
     rank = dist.get_rank()
@@ -737,7 +738,7 @@ def _torch_test_callbacks(calls: dict):
     registers on a runtime schedule: they redo its bookkeeping through ``fwd_recv_ops``,
     ``bwd_recv_ops``, ``backward_counter``, ``_maybe_compute_loss``/``_maybe_get_loss`` and
     same-rank hand-offs between stages ``s`` and ``s+1``."""
-    from titan_dualpipe._compat import _PipelineScheduleRuntime, _wait_batch_p2p
+    from titan_dualpipe._compat.pipelining import _PipelineScheduleRuntime, _wait_batch_p2p
 
     def forward(action, ctx) -> None:
         schedule = ctx.schedule_ref
@@ -798,7 +799,7 @@ def custom_functions_numerics(schedule: str, pp: int, n: int, callbacks: str) ->
     OVERLAP_F_B) or ``"torch_tests"`` (torch's test functions for FORWARD and OVERLAP_F_B)."""
     from collections import Counter
 
-    from titan_dualpipe._compat import F, OVERLAP_F_B
+    from titan_dualpipe._compat.pipelining import F, OVERLAP_F_B
 
     rank = dist.get_rank()
     group = first_ranks_group(pp)
@@ -869,7 +870,7 @@ def torch_dualpipev_static_metadata(pp: int, n: int) -> dict | None:
     ours): the largest gradient error, or the error it raised (no assertion: the caller decides)."""
     from torch.distributed.pipelining import ScheduleDualPipeV as TorchDualPipeV
 
-    from titan_dualpipe._compat import runnable_on_gloo
+    from titan_dualpipe._compat.stage_init import runnable_on_gloo
 
     rank = dist.get_rank()
     group = first_ranks_group(pp)

@@ -21,7 +21,8 @@ import check_cases
 import moe_trace_cases
 import pipeline_cases as cases
 from dist_pool import WorkerPool
-from titan_dualpipe import _compat, compute_order, placement
+from titan_dualpipe import compute_order, placement
+from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders.lowering import lower
 from titan_dualpipe.orders.nccl_model import (
     RECV, SEND, Collective, Deadlock, P2P, Post, Trace, Wait, check_completes, check_completes_eager, communicators,
@@ -159,11 +160,11 @@ def test_eager_init_runs_a_groups_p2p_in_issue_order_on_one_communicator():
 def test_torch_deferral_would_hang_on_nccl():
     """torch's ``_defer_recv_ops`` moves receives past sends (gloo buffers them); on a V order
     the planned posting deadlocks under NCCL's semantics. Ours keeps every rank's sequence."""
-    if _compat.TORCH_DEFER_RECV_OPS is None:
+    if pipelining.TORCH_DEFER_RECV_OPS is None:
         pytest.skip("this torch has no receive deferral of its own")
     place = placement("DualPipeV", 2, 4)
     lowered = lower(compute_order("DualPipeV", 2, 4), place)
-    theirs = _compat.TORCH_DEFER_RECV_OPS(lowered, place.rank_of)
+    theirs = pipelining.TORCH_DEFER_RECV_OPS(lowered, place.rank_of)
     with pytest.raises(Deadlock):
         check_completes(planned_trace(theirs, place))
     check_completes(planned_trace(lower(compute_order("DualPipeV", 2, 4), place, defer_recv=True), place))

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from titan_dualpipe import compute_order, placement
-from titan_dualpipe._compat import B, F, I, OVERLAP_F_B, W, _Action, _format_pipeline_order
+from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action, _format_pipeline_order
 from titan_dualpipe.cli import main as cli_main
 from titan_dualpipe.orders.csv_io import load_csv, read_csv, write_csv
 from titan_dualpipe.orders.dryrun import dry_run
@@ -82,7 +82,7 @@ def test_dualpipe_first_half_is_dualpipev(pp, n):
 
 
 def test_lowering_matches_torch_for_a_single_chain():
-    from titan_dualpipe._compat import _add_reduce_grad, _add_send_recv, _add_unshard_reshard
+    from titan_dualpipe._compat.pipelining import _add_reduce_grad, _add_send_recv, _add_unshard_reshard
 
     for pp in range(1, 6):
         for n in (2 * pp, 2 * pp + 3):

@@ -19,7 +19,7 @@ import torch
 
 import overlap_cases as cases
 from dist_pool import WorkerPool
-from titan_dualpipe import _compat
+from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders import compute_order, placement
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.comm import CommStats, EmulatedNetwork, PendingAllToAll
@@ -407,7 +407,7 @@ def test_two_batch_overlap_matches_reference(pool, schedule, n, relay, checkpoin
         halved = 2 * (len(split) + len(split - paired_backwards(order[rank // cases.EP])))
         assert r["split"] == 2 * len(split), results
         inputs = {(a.stage_index, a.microbatch_index) for a in order[rank // cases.EP]
-                  if a is not None and a.computation_type == _compat.I and not placement(schedule, cases.PP, n).is_first(a.stage_index)}
+                  if a is not None and a.computation_type == pipelining.I and not placement(schedule, cases.PP, n).is_first(a.stage_index)}
         assert set(r["deferred"]) == inputs, results  # every I's GEMMs waited for its W, split microbatches' too
         halves_with_input_action |= bool(split & inputs)
         if relay:  # the halves switch at the MoE exchanges

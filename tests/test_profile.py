@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from titan_dualpipe import placement
-from titan_dualpipe._compat import B, F, I, OVERLAP_F_B, W, _Action
+from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 from titan_dualpipe.sim.profile import costs_from
 from titan_dualpipe.sim.timeline import TimedAction
 
@@ -100,7 +100,7 @@ def test_profile_measures_activation_memory_as_the_simulator_predicts(schedule, 
 def test_activation_meter_counts_saved_tensors_once_and_frees_with_the_graph():
     import torch
 
-    from titan_dualpipe._compat import stage_backward_input, stage_backward_weight
+    from titan_dualpipe._compat.pipelining import stage_backward_input, stage_backward_weight
     from titan_dualpipe.sim.memory import ActivationMeter
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from titan_dualpipe._compat import private_thread_state
+from titan_dualpipe._compat.autograd import private_thread_state
 from titan_dualpipe.overlap import relay
 from titan_dualpipe.overlap.relay import PartnerFailed, hand_over, run_relayed
 

@@ -11,7 +11,7 @@ import pytest
 import pipeline_cases as cases
 import tp_cases
 from dist_pool import WorkerPool
-from titan_dualpipe import _compat
+from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders import compute_order, placement
 from titan_dualpipe.orders.two_batch import lone_forwards
 
@@ -235,7 +235,7 @@ def test_activation_checkpointed_blocks_defer_their_weight_gemms(pool, schedule,
         for stage, linears in r["linears"].items():
             assert linears == r["linear_modules"][stage] > 0, r
             inputs = [a for acts in order.values() for a in acts
-                      if a is not None and a.stage_index == stage and a.computation_type == _compat.I]
+                      if a is not None and a.stage_index == stage and a.computation_type == pipelining.I]
             first = placement(schedule, pp, n).is_first(stage)
             want = 0 if first else linears * len(inputs)  # the last step's
             assert r["deferred_gemms"].get(stage, 0) == want, (stage, r)
@@ -260,7 +260,7 @@ def test_weight_gradient_modes(pool, schedule, weight_gradients, not_deferred):
     place = placement(schedule, pp, n)
     for r in ran:
         inputs = {s: sum(1 for acts in order.values() for a in acts
-                         if a is not None and a.stage_index == s and a.computation_type == _compat.I)
+                         if a is not None and a.stage_index == s and a.computation_type == pipelining.I)
                   for s in r["layers"]}
         whole = {s: sum(1 for stage, _ in r["whole_at_input"] if stage == s) for s in r["layers"]}
         if weight_gradients == "whole":  # every microbatch of every stage, should its backward be an I
@@ -331,7 +331,7 @@ def test_static_stage_metadata(pool, schedule, pp, n):
     ran = _ran(pool.run(cases.static_metadata_numerics, schedule=schedule, pp=pp, n=n))
     assert len(ran) == pp and max(r["grad_err"] for r in ran) <= cases.ATOL
     assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
-    if _compat.HAS_METADATA_VOTE:
+    if pipelining.HAS_METADATA_VOTE:
         assert all(r["modes"] == ["InferenceMode.STATIC"] for r in ran), ran
 
 
@@ -466,7 +466,7 @@ def _stages_with_deferring_inputs(schedule: str, pp: int, n: int, rank: int) -> 
     (a first stage's backward has no input gradient to send first: it runs whole)."""
     place = placement(schedule, pp, n)
     return {a.stage_index for a in compute_order(schedule, pp, n)[rank]
-            if a is not None and a.computation_type == _compat.I and not place.is_first(a.stage_index)}
+            if a is not None and a.computation_type == pipelining.I and not place.is_first(a.stage_index)}
 
 
 @pytest.mark.parametrize("schedule,pp,n,overlap", COMPILED_LAYOUTS)

@@ -9,7 +9,7 @@ import pytest
 
 import titan_dualpipe.cli as main_cli
 import titan_dualpipe.sim as sim_package
-from titan_dualpipe._compat import B, F, I, OVERLAP_F_B, W, _Action
+from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 from titan_dualpipe.orders import compute_order, placement
 from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import leaf_actions, lower

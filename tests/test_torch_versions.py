@@ -1,8 +1,8 @@
 """The supported torch range, and the torch problems we work around, on the installed torch.
 
 Each workaround test shows whether torch's own path is still wrong on this version and that
-the flag in ``titan_dualpipe._compat`` (which decides whether our workaround runs) says the
-same, so a torch release that fixes one of them fails here until the flag follows.
+the flag in ``titan_dualpipe._compat.pipelining`` (which decides whether our workaround runs)
+says the same, so a torch release that fixes one of them fails here until the flag follows.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import pipeline_cases as cases
 from dist_pool import WorkerPool
 from titan_dualpipe import _compat, bootstrap, compute_order, placement
+from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders.dryrun import dry_run
 from titan_dualpipe.orders.lowering import lower
 
@@ -50,20 +51,20 @@ def test_torch_deferred_recvs_mismatch_v_messages_ours_do_not():
     the wrong buffer. Our ``defer_pp_recv`` keeps per-peer order on every version."""
     place = placement("DualPipeV", 4, 8)
     dry_run(lower(compute_order("DualPipeV", 4, 8), place, defer_recv=True), place)
-    if _compat.TORCH_DEFER_RECV_OPS is None:
+    if pipelining.TORCH_DEFER_RECV_OPS is None:
         pytest.skip(f"torch {torch.__version__} has no receive deferral of its own (added in 2.13)")
     lowered = lower(compute_order("DualPipeV", 4, 8), place)
     with pytest.raises(ValueError, match="would receive the data meant for"):
-        dry_run(_compat.TORCH_DEFER_RECV_OPS(lowered, place.rank_of), place)
+        dry_run(pipelining.TORCH_DEFER_RECV_OPS(lowered, place.rank_of), place)
 
 
 def test_torch_lowering_still_rejects_two_chains():
     """torch's ``_add_send_recv`` assumes one chain ``0..N-1``: DualPipe needs ours."""
     place = placement("DualPipe", 4, 8)
     order = compute_order("DualPipe", 4, 8)
-    per_rank = {r: _compat._add_reduce_grad(_compat._add_unshard_reshard(list(a)), 4) for r, a in order.items()}
+    per_rank = {r: pipelining._add_reduce_grad(pipelining._add_unshard_reshard(list(a)), 4) for r, a in order.items()}
     with pytest.raises(Exception):
-        _compat._add_send_recv(per_rank, place.rank_of, place.num_stages)
+        pipelining._add_send_recv(per_rank, place.rank_of, place.num_stages)
     dry_run(lower(order, place), place)
 
 
@@ -76,17 +77,17 @@ def test_split_backward_under_nested_fsdp2_matches_the_flag(pool, name):
     assert plain <= cases.ATOL, f"torch's {name} is wrong even without FSDP: {plain}"
     nested = max(pool.run(cases.torch_schedule_grad_error, name=name, pp=4, n=8, fsdp=True))
     torch_is_wrong = nested > cases.ATOL
-    assert torch_is_wrong == _compat.SPLIT_BACKWARD_NEEDS_UNSHARD, (
+    assert torch_is_wrong == pipelining.SPLIT_BACKWARD_NEEDS_UNSHARD, (
         f"torch {torch.__version__}: {name} with nested FSDP2 has gradient error {nested}, but "
-        f"SPLIT_BACKWARD_NEEDS_UNSHARD={_compat.SPLIT_BACKWARD_NEEDS_UNSHARD}")
+        f"SPLIT_BACKWARD_NEEDS_UNSHARD={pipelining.SPLIT_BACKWARD_NEEDS_UNSHARD}")
 
 
 def _split_backward_grads(block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
     """torch's split backward of one stage: input grads (I), then weight grads (W)."""
     x = x.detach().requires_grad_()
     out = block(x)
-    _, param_groups = _compat.stage_backward_input([out], [grad], [x], block.parameters())
-    _compat.stage_backward_weight(block.parameters(), param_groups)
+    _, param_groups = pipelining.stage_backward_input([out], [grad], [x], block.parameters())
+    pipelining.stage_backward_weight(block.parameters(), param_groups)
     return [p.grad for p in block.parameters()]
 
 
@@ -126,6 +127,6 @@ def test_static_metadata_matches_the_flag(pool):
     torch_is_wrong = "raised" in outcome or outcome["grad_err"] > cases.ATOL
     if "raised" in outcome:
         assert "Output gradient" in outcome["raised"] or "grad can be implicitly created" in outcome["raised"], outcome
-    assert torch_is_wrong == _compat.STATIC_METADATA_DROPS_INPUT_GRADS, (
+    assert torch_is_wrong == pipelining.STATIC_METADATA_DROPS_INPUT_GRADS, (
         f"torch {torch.__version__}: its ScheduleDualPipeV with static metadata gives {outcome}, but "
-        f"STATIC_METADATA_DROPS_INPUT_GRADS={_compat.STATIC_METADATA_DROPS_INPUT_GRADS}")
+        f"STATIC_METADATA_DROPS_INPUT_GRADS={pipelining.STATIC_METADATA_DROPS_INPUT_GRADS}")

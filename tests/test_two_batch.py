@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from titan_dualpipe._compat import B, F, OVERLAP_F_B, _Action
+from titan_dualpipe._compat.pipelining import B, F, OVERLAP_F_B, _Action
 from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.two_batch import join_halves, run_forward_in_halves, split_batch
 from titan_dualpipe.overlap.relay import hand_over

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_dualpipe import ScheduleDualPipeV, compute_order, placement
-from titan_dualpipe._compat import runnable_on_gloo
+from titan_dualpipe._compat.stage_init import runnable_on_gloo
 from titan_dualpipe.check.numerics import ATOL, RTOL, batch, build_pipeline, reference_step, train_and_compare
 from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import lower
@@ -349,7 +349,7 @@ def _queue_delay(seconds: float):
 def test_the_timeline_times_the_work_on_the_device():
     """Every forward queues 20 ms of device work that the host does not wait for: an action
     holding a forward lasts that long on the timeline only if it is timed on the device."""
-    from titan_dualpipe._compat import F, OVERLAP_F_B
+    from titan_dualpipe._compat.pipelining import F, OVERLAP_F_B
 
     delay, n = 0.02, 4
     _, modules, sched = build_pipeline("DualPipeV", 1, n, _group(), 0, device=DEVICE, record_timeline=True)

@@ -169,7 +169,7 @@ class _Path:
                     loss.backward()
 
             return backward_input, lambda: self.queue.run(key)
-        from .._compat import stage_backward_input, stage_backward_weight
+        from .._compat.pipelining import stage_backward_input, stage_backward_weight
 
         groups: list = []
         return (lambda: groups.extend(stage_backward_input([loss], None, [h], iter(self.params))[1]),

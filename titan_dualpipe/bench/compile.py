@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from .._compat import donated_buffers_off
+from .._compat.compile import donated_buffers_off
 from ..cli import HelpFormatter
 from .stage_options import check_stage_sizes, emit
 from ..runtime.timeline import clock_for, span_seconds
@@ -134,7 +134,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _io_order(n: int) -> dict[int, list]:
     """A one-rank DualPipeV order whose stage 1 runs I then W for every microbatch."""
-    from .._compat import F as FWD, I, W, _Action
+    from .._compat.pipelining import F as FWD, I, W, _Action
 
     actions = []
     for mb in range(n):
@@ -203,7 +203,7 @@ class _Kind:
     def runtime(self, mode: str = "deferred") -> Sample:
         """Mean seconds per microbatch of stage 1's I and W actions in one pipeline step under
         ``weight_gradients=mode``: (I + W, I, W)."""
-        from .._compat import I, W
+        from .._compat.pipelining import I, W
 
         modules, pipeline = self.pipelines[mode]
         for module in modules:
@@ -219,7 +219,7 @@ class _Kind:
 
     def torch_split(self) -> Sample:
         """Mean seconds per microbatch of torch's split backward: (I + W, I, W)."""
-        from .._compat import stage_backward_input, stage_backward_weight
+        from .._compat.pipelining import stage_backward_input, stage_backward_weight
 
         module = self.split_copy
         module.zero_grad(set_to_none=True)

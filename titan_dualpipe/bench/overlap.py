@@ -255,7 +255,7 @@ def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
     from .. import ScheduleDualPipeV
-    from .._compat import runnable_on_gloo
+    from .._compat.stage_init import runnable_on_gloo
 
     modules, torch_modules, feeds = parts.v_modules(), parts.v_modules(), parts.pp_rank == 0
     return {

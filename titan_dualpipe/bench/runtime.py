@@ -50,7 +50,7 @@ def _schedule(name: str, model: TinyLM, n: int, rank: int):
     from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV
-    from .._compat import runnable_on_gloo
+    from .._compat.stage_init import runnable_on_gloo
 
     classes: dict[str, Callable[..., Any]] = {
         "DualPipeV": ScheduleDualPipeV, "DualPipeV sequential": functools.partial(ScheduleDualPipeV, overlap=False),

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
-from .._compat import _format_pipeline_order, compiler_fn
+from .._compat.compile import compiler_fn
+from .._compat.pipelining import _format_pipeline_order
 from ..orders import Placement
 from ..testing.model import TinyLM, compile_blocks, lm_loss, split_model
 

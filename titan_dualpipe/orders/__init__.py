@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._compat import _Action
+from .._compat.pipelining import _Action
 from .placement import SCHEDULES, Placement, canonical_name, check_requirements, placement
 from .recipe import PhaseOp, recipe, to_actions
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from typing import IO
 
-from .._compat import _Action
+from .._compat.pipelining import _Action
 
 
 def write_csv(order: dict[int, list[_Action | None]], stream: IO[str]) -> None:

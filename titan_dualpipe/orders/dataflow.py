@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import NamedTuple
 
-from .._compat import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, _Action, _ComputationType
+from .._compat.pipelining import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, _Action, _ComputationType
 
 
 class Chains:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .._compat import (
+from .._compat.pipelining import (
     B,
     F,
     I,

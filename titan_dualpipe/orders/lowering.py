@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
-from .._compat import (
+from .._compat.pipelining import (
     REDUCE_GRAD,
     RESHARD,
     UNSHARD,

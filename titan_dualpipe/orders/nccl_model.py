@@ -382,7 +382,7 @@ def planned_trace(lowered: dict[int, list], place, *, lone_ops_on_pairs: bool = 
     it; the step ends waiting for every send. Signatures name the message (stage, kind,
     microbatch), so a receive matched to another message is reported.
     """
-    from .._compat import RECV_B, RECV_F, SEND_B, SEND_F
+    from .._compat.pipelining import RECV_B, RECV_F, SEND_B, SEND_F
     from .dataflow import peer_stage
     from .lowering import leaf_actions
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple, Sequence
 
-from .._compat import B, F, I, OVERLAP_F_B, W, _Action
+from .._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 
 
 class PhaseOp(NamedTuple):

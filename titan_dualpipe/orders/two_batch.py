@@ -13,7 +13,7 @@ split) and the simulator (which actions to cost as halves).
 
 from __future__ import annotations
 
-from .._compat import F, OVERLAP_F_B, _Action
+from .._compat.pipelining import F, OVERLAP_F_B, _Action
 
 
 def lone_forwards(actions: list[_Action | None]) -> set[tuple[int, int]]:

@@ -38,7 +38,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._compat import post_all_to_all_single, wait_collective
+from .._compat.c10d import post_all_to_all_single, wait_collective
 from .relay import hand_over
 
 T = TypeVar("T")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat import wait_collective
+from .._compat.c10d import wait_collective
 from .comm import count_exchange
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import SEND_F, _Action, input_grads, module_forward_replaced, stage_backward_replaced
+from .._compat.autograd import module_forward_replaced
+from .._compat.pipelining import SEND_F, _Action, input_grads, stage_backward_replaced
 from ..runtime.executor import StepExecutor
 from ..runtime.pairs import register_overlapped
 from .comm import warn_once_if_exchange_traced

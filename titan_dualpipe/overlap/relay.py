@@ -79,7 +79,12 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from .._compat import PrivateThreadState, private_thread_state, private_thread_state_entered, torch_function_bypassed
+from .._compat.autograd import (
+    PrivateThreadState,
+    private_thread_state,
+    private_thread_state_entered,
+    torch_function_bypassed,
+)
 from ..runtime.in_flight import run_work_in_flight
 
 _RngStates = list[tuple[torch.Generator, torch.Tensor]]

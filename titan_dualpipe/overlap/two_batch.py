@@ -60,7 +60,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .._compat import _Action, input_grads, module_forward_replaced, stage_backward_replaced
+from .._compat.autograd import module_forward_replaced
+from .._compat.pipelining import _Action, input_grads, stage_backward_replaced
 from ..runtime.executor import StepExecutor
 from ..runtime.fsdp import gathered_for_both_halves
 from ..runtime.two_batch import register_halves_runner

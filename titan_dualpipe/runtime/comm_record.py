@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._compat import _Action
+from .._compat.pipelining import _Action
 from ..orders.nccl_model import RECV, SEND, Collective, Event, P2P, Post, Wait, group_comm, pair_comm
 
 # FSDP2 gathers and reduces with all_gather_single / reduce_scatter_single from torch 2.13 on

@@ -55,7 +55,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .._compat import inside_backward
+from .._compat.autograd import inside_backward
 
 WEIGHT_GRADIENT_MODES = ("deferred", "deferred_compiled", "split", "whole")
 DEFERRING_MODES = ("deferred", "deferred_compiled")  # the modes that install deferred GEMMs

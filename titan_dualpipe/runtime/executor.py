@@ -36,7 +36,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map_only
 from torch.distributed.fsdp import FSDPModule
 
-from .._compat import (
+from .._compat.pipelining import (
     B,
     F,
     I,

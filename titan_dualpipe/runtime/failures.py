@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from .._compat import default_store
+from .._compat.c10d import default_store
 
 _PREFIX = "titan_dualpipe/first_failure/"
 _schedules_per_group: Counter[str] = Counter()

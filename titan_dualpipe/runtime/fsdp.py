@@ -10,7 +10,7 @@ from typing import Iterator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .._compat import fsdp_post_forward_decided, fsdp_reshard_after_forward
+from .._compat.fsdp import fsdp_post_forward_decided, fsdp_reshard_after_forward
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:

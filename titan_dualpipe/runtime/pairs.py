@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from .._compat import _Action
+from .._compat.pipelining import _Action
 
 if TYPE_CHECKING:
     from .executor import StepExecutor

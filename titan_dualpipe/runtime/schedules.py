@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .._compat import (
+from .._compat.pipelining import (
     RECV_B,
     RECV_F,
     SEND_B,
@@ -27,18 +27,16 @@ from .._compat import (
     _PipelineStageBase,
     _batch_p2p,
     _wait_batch_p2p,
-    agreed_inference_mode,
-    initialize_stages,
     schedule_kwargs,
-    set_chain_ends,
     split_target,
-    warm_up_neighbours,
 )
+from .._compat.stage_init import agreed_inference_mode, initialize_stages, warm_up_neighbours
 from ..orders import compute_order, placement
 from ..orders.dataflow import peer_stage
 from ..orders.lowering import lower, validate_order
 from .timeline import TimedAction
 from .agreement import agree
+from .chain_ends import set_chain_ends
 from .errors import PipelineConfigError
 from .executor import StepExecutor
 from .failures import named_for_every_rank, record, schedule_scope, step_scope

@@ -25,7 +25,7 @@ A microbatch of a stage whose forward ran such a region gets a full backward at 
 and weight gradients in one autograd pass), and its W does nothing. Its I then costs what a
 full backward costs and its W nothing, which the simulator models as ``W = 0`` for those stages
 (``titan_dualpipe.sim``). The verdict is taken per stage and microbatch while the forward runs
-(:func:`~titan_dualpipe._compat.checkpoint_regions_seen`), so it holds for checkpoint regions
+(:func:`~titan_dualpipe._compat.autograd.checkpoint_regions_seen`), so it holds for checkpoint regions
 wherever they are: torch's ``checkpoint_wrapper`` modules (torchtitan) and ``checkpoint(...)``
 calls inside a user's ``forward``. Other reasons to keep a stage whole are static and module
 based: :func:`register_whole_backward_rule` adds one (a rule returns why a stage module needs
@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
-from .._compat import checkpoint_regions_seen
+from .._compat.autograd import checkpoint_regions_seen
 
 # Region kinds seen in a forward that make its backward run whole at I. "checkpoint" covers
 # full activation checkpointing too: one recomputation instead of two (docs/activation_checkpointing.md

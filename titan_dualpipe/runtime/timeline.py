@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
-from .._compat import _Action
+from .._compat.pipelining import _Action
 
 
 class TimedAction(NamedTuple):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._compat import fsdp_data_parallel_sizes, fsdp_gradient_divide_factors, fsdp_shard_group_ranks
+from .._compat.fsdp import fsdp_data_parallel_sizes, fsdp_gradient_divide_factors, fsdp_shard_group_ranks
 from .errors import PipelineConfigError
 from .fsdp import fsdp_modules
 from .p2p import local_tensor, swap_into, with_layout_of

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .._compat import _Action
+from .._compat.pipelining import _Action
 
 ExchangeRule = Callable[[torch.nn.Module], bool]
 _exchange_rules: list[ExchangeRule] = []

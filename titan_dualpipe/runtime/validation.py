@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .._compat import replicated_by_ddp
+from .._compat.fsdp import replicated_by_ddp
 from ..orders.placement import Placement, check_requirements
 
 

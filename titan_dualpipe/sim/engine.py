@@ -28,7 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .._compat import B, F, I, OVERLAP_F_B, W, _Action
+from .._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 from ..orders.dataflow import input_source
 from ..orders.lowering import leaf_actions
 from .costs import Costs

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .._compat import B, F, I, W, _Action
+from .._compat.pipelining import B, F, I, W, _Action
 from ..orders.lowering import leaf_actions
 
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from ..cli import HelpFormatter
 from ..orders import Placement, canonical_name, placement
 from .costs import Costs
-from .._compat import F
+from .._compat.pipelining import F
 from ..orders.dataflow import Chains
 from .engine import peak_activations, simulate
 from .memory import ActivationMeter, peak_activation_bytes
@@ -213,7 +213,7 @@ def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step
     """Compiled backward calls ``step()`` ran on this rank, by the kind of action they ran in, as
     :func:`costs_from` counts kinds: a chain-first stage's W is its full backward (``B``), its I
     nothing."""
-    from .._compat import _get_profiler_function_name
+    from .._compat.pipelining import _get_profiler_function_name
     from ..testing.compiled_calls import compiled_backwards_by_range
 
     actions = {_get_profiler_function_name(a): a for a in schedule.pipeline_order_with_comms[rank] if a is not None}

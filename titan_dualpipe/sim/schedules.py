@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from .._compat import F, _Action
+from .._compat.pipelining import F, _Action
 from ..orders import SCHEDULES as OUR_SCHEDULES
 from ..orders import compute_order, placement
 from ..orders.csv_io import load_csv

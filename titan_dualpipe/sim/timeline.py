@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterable
 
-from .._compat import B, F, I, OVERLAP_F_B, W, _Action
+from .._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 from ..orders.lowering import leaf_actions
 from ..runtime.timeline import TimedAction
 

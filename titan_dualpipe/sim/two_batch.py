@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .._compat import B, F, I, W, _Action
+from .._compat.pipelining import B, F, I, W, _Action
 from ..orders.dataflow import Chains
 from ..orders.two_batch import lone_forwards, paired_backwards
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .._compat import native_stacks_on_fatal_signal
+from .._compat.c10d import native_stacks_on_fatal_signal
 
 
 def _free_port() -> int:

@@ -301,11 +301,11 @@ def _scalar_loss(loss_fn: Callable) -> Callable:
 
 def _startable_on_gloo(schedule: Any, stages: list) -> Any:
     """torch's own multi-stage schedules on gloo (CPU mode): torch 2.11 starts V schedules with
-    messages from a rank to itself, which gloo rejects (see ``_compat.runnable_on_gloo``)."""
+    messages from a rank to itself, which gloo rejects (see ``_compat.stage_init.runnable_on_gloo``)."""
     import torch.distributed as dist
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-    from .._compat import runnable_on_gloo
+    from .._compat.stage_init import runnable_on_gloo
 
     if isinstance(schedule, PipelineScheduleMulti) and stages and dist.get_backend(stages[0].group) == "gloo":
         return runnable_on_gloo(schedule)

@@ -1,0 +1,175 @@
+"""torch's pipelining IR and runtime under the names the package uses: the action types and their
+shorthands, torch's lowering passes and batched p2p, the stage classes, the split backward, and the
+flags of the torch problems we work around. Read against torch 2.11.0, 2.13.0, 2.14.1.
+
+What differs across the range, and what we do about it:
+
+- ``defer_pp_recv`` and ``loss_kwargs`` are torch keywords from 2.13 on; ours implement both
+  themselves on every version (:func:`schedule_kwargs`).
+- Pre-split microbatches (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) arrived in
+  2.14; our schedules own ``step()`` and accept them on every version.
+- torch problems we work around, each with a flag here and a test that shows, per version,
+  whether torch's own path is still wrong (``tests/test_torch_versions.py``):
+  :data:`TORCH_DEFER_RECV_OPS` (reorders receives from one peer; absent before 2.13),
+  :data:`SPLIT_BACKWARD_NEEDS_UNSHARD` (nested FSDP2 loses weight grads in a split backward),
+  :data:`STATIC_METADATA_DROPS_INPUT_GRADS` (static stage metadata loses input gradients)
+  and torch's single-chain send/recv lowering (``_add_send_recv``; DualPipe has two chains).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import stage as _stage_module
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    _Action,
+    _get_profiler_function_name,
+    _ComputationType,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _format_pipeline_order,
+    _validate_schedule,
+    _wait_batch_p2p,
+    _batch_p2p,
+    get_schedule_class,
+)
+from torch.distributed.pipelining.stage import _PipelineStage as TracedPipelineStage  # pipeline(...).build_stage
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+try:  # 2.12+: static/dynamic stage metadata inference
+    from torch.distributed.pipelining._utils import InferenceMode
+except ImportError:  # 2.11: shapes are inferred by a p2p exchange at initialisation
+    InferenceMode = None  # type: ignore[assignment,misc]
+
+try:  # 2.13+
+    from torch.distributed.pipelining.schedules import _defer_recv_ops as TORCH_DEFER_RECV_OPS
+except ImportError:  # torch has no receive deferral before 2.13
+    TORCH_DEFER_RECV_OPS = None
+
+HAS_METADATA_VOTE: bool = InferenceMode is not None
+
+# With nested FSDP2, a split backward (I, then W) that runs before the stage's first full
+# backward loses its weight gradient: the weights are looked up while the nested modules are
+# resharded. Seen on every supported version (tests/test_torch_versions.py checks torch's
+# own ScheduleZBVZeroBubble and ScheduleDualPipeV against this flag on each); our executor
+# unshards them first.
+SPLIT_BACKWARD_NEEDS_UNSHARD: bool = True
+
+F = _ComputationType.FORWARD
+I = _ComputationType.BACKWARD_INPUT  # noqa: E741 - torch's own shorthand
+W = _ComputationType.BACKWARD_WEIGHT
+B = _ComputationType.FULL_BACKWARD
+OVERLAP_F_B = _ComputationType.OVERLAP_F_B
+SEND_F = _ComputationType.SEND_F
+RECV_F = _ComputationType.RECV_F
+SEND_B = _ComputationType.SEND_B
+RECV_B = _ComputationType.RECV_B
+UNSHARD = _ComputationType.UNSHARD
+RESHARD = _ComputationType.RESHARD
+REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+
+# Static stage metadata (PipelineStage(..., input_args=, output_args=), no shape inference), 2.12+
+# (its static/dynamic metadata code): the received activations' requires_grad comes from the
+# example inputs (False for inputs made without it), the gradient metadata from the example
+# outputs': no input gradient is computed, no receive buffer for output gradients made, and the
+# backward fails ("Output gradient: ('None',)"; torch's own ScheduleDualPipeV too; seen on 2.13.0
+# and 2.14.1). Shape inference and the tracer mark floating-point activations passed between
+# stages as requiring grad; initialize_stages does the same for static metadata
+# (mark_static_inputs_differentiable, in stage_init.py). 2.11's static metadata trains correctly
+# (checked on 2.11.0). tests/test_torch_versions.py checks torch's own V schedule against this flag.
+STATIC_METADATA_DROPS_INPUT_GRADS: bool = InferenceMode is not None
+
+_TORCH_SCHEDULE_KEYWORDS = frozenset(inspect.signature(PipelineScheduleMulti.__init__).parameters)
+
+
+def schedule_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """The keywords of ``PipelineScheduleMulti.__init__`` this torch accepts (``defer_pp_recv``
+    is 2.13+; our schedules implement it themselves either way)."""
+    return {k: v for k, v in kwargs.items() if k in _TORCH_SCHEDULE_KEYWORDS}
+
+
+def split_target(target: torch.Tensor, n_microbatches: int) -> list[torch.Tensor]:
+    """torch's split of a whole-batch target into microbatches (dim 0)."""
+    return list(_split_tensor(target, TensorChunkSpec(0), n_microbatches))
+
+
+@contextlib.contextmanager
+def stage_backward_replaced(fn: Callable[[Any, Any, list], tuple]) -> Iterator[None]:
+    """Within the block, a stage's full backward calls ``fn(stage_output, output_grads,
+    input_values) -> input grads`` instead of torch's ``stage_backward``.
+
+    Everything else ``backward_one_chunk`` does (fwd-cache lookup, FSDP/DDP no-sync
+    flags, caching input grads for the send) stays torch's own.
+    """
+    original = _stage_module.stage_backward
+    _stage_module.stage_backward = fn
+    try:
+        yield
+    finally:
+        _stage_module.stage_backward = original
+
+
+def input_grads(input_values: list) -> tuple:
+    """What torch's ``stage_backward`` returns after its autograd call: each input's grad
+    (cleared from the input so it is not accumulated again)."""
+    grads = []
+    for value in input_values:
+        if isinstance(value, torch.Tensor):
+            grads.append(value.grad)
+            value.grad = None
+        else:
+            grads.append(None)
+    return tuple(grads)
+
+
+__all__ = [
+    "B",
+    "F",
+    "HAS_METADATA_VOTE",
+    "I",
+    "InferenceMode",
+    "OVERLAP_F_B",
+    "PipelineStage",
+    "RECV_B",
+    "RECV_F",
+    "REDUCE_GRAD",
+    "RESHARD",
+    "SEND_B",
+    "SEND_F",
+    "SPLIT_BACKWARD_NEEDS_UNSHARD",
+    "STATIC_METADATA_DROPS_INPUT_GRADS",
+    "TORCH_DEFER_RECV_OPS",
+    "TracedPipelineStage",
+    "UNSHARD",
+    "W",
+    "_Action",
+    "_ComputationType",
+    "_PipelineContext",
+    "_PipelineScheduleRuntime",
+    "_PipelineStageBase",
+    "_add_reduce_grad",
+    "_add_send_recv",
+    "_add_unshard_reshard",
+    "_batch_p2p",
+    "_format_pipeline_order",
+    "_get_profiler_function_name",
+    "_validate_schedule",
+    "_wait_batch_p2p",
+    "get_schedule_class",
+    "input_grads",
+    "schedule_kwargs",
+    "split_target",
+    "stage_backward_input",
+    "stage_backward_replaced",
+    "stage_backward_weight",
+]
