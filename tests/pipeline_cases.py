@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from titan_dualpipe import placement
+from titan_dualpipe._compat.pipelining import forward_states
 from titan_dualpipe.testing.memory import LiveTensorBytes
 from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test modules
     ATOL, MB_SIZE, RTOL, SCHEDULES, SEQ, VOCAB, batch, full as _full, grad_error as _check_grads, reference_step,
@@ -200,7 +201,7 @@ def _measured_eval(schedule: str, pp: int, n: int, group, rank: int, two_batch: 
         out, losses = run(return_outputs=False)
     assert out is None
     result["peak"][n] = meter.peak
-    result["fwd_cache"][n] = {stage.stage_index: len(stage.fwd_cache) for stage in sched._stages}
+    result["fwd_cache"][n] = {stage.stage_index: len(forward_states(stage)) for stage in sched._stages}
     with LiveTensorBytes() as meter:
         out, kept_losses = run()
     result["peak_with_outputs"][n] = meter.peak
@@ -1043,3 +1044,95 @@ def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
     if result is not None:
         result["split"] = len(joins)
     return result
+
+
+def start_up_calls(schedule: str, pp: int, n: int) -> dict | None:
+    """How often the schedule's start-up connected its pairs (``connect``) and ran again without
+    connecting, over two training steps and an eval (first ``pp`` ranks)."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    calls = {"connect": 0, "again": 0}
+    start_up = sched._start_up
+
+    def counted(stages, has_backward, connect):
+        calls["connect" if connect else "again"] += 1
+        start_up(stages, has_backward, connect)
+
+    sched._start_up = counted
+    place = placement(schedule, pp, n)
+    for step in range(2):
+        x, y = _numerics.batch(step, n, 0, "cpu")
+        sched.step(x, target=y) if place.feeds_batch(rank) else sched.step()
+    x, y = _numerics.batch(2, n, 0, "cpu")
+    sched.eval(x, target=y) if place.feeds_batch(rank) else sched.eval()
+    return calls
+
+
+def bad_schedule_options(schedule: str, pp: int, n: int, **options) -> str | None:
+    """The constructor's error for ``options`` (first ``pp`` ranks), raised before any traffic."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    place = placement(schedule, pp, n)
+    module = TinyLM(vocab=VOCAB, dim=16, layers=2, heads=2)
+    stages = [PipelineStage(copy.deepcopy(module), s, place.num_stages, torch.device("cpu"), group=group)
+              for s in place.stages_of(rank)]
+    try:
+        SCHEDULES[schedule](stages, n, loss_fn=lm_loss, **options)
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"{options}: constructor did not raise")
+
+
+def forward_contexts_seen(schedule: str, pp: int, n: int, **schedule_kwargs) -> list | None:
+    """torch 2.15's ``stage.register_forward_context``: the (stage, microbatch) of every context
+    entered in a second training step (the first also runs metadata inference), first ``pp`` ranks."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    _, _, sched = build_pipeline(schedule, pp, n, group, rank, **schedule_kwargs)
+    seen: list = []
+
+    @contextlib.contextmanager
+    def recorded(info):
+        seen.append((info.stage_index, info.microbatch_index))
+        yield
+
+    for stage in sched._stages:
+        stage.register_forward_context(recorded)
+    place = placement(schedule, pp, n)
+    for step in range(2):
+        seen.clear()
+        x, y = _numerics.batch(step, n, 0, "cpu")
+        sched.step(x, target=y) if place.feeds_batch(rank) else sched.step()
+    return sorted(seen)
+
+
+def released_after_send(schedule: str, pp: int, n: int, **schedule_kwargs) -> dict | None:
+    """torch 2.15's ``release_fwd_send_outputs``: the microbatches each stage was told to release
+    in a training step, and how many forward sends the rank's order has per stage."""
+    rank = dist.get_rank()
+    group = first_ranks_group(pp)
+    if rank >= pp:
+        return None
+    _, _, sched = build_pipeline(schedule, pp, n, group, rank, **schedule_kwargs)
+    released: dict[int, list[int]] = {stage.stage_index: [] for stage in sched._stages}
+    for stage in sched._stages:
+        original = stage.release_fwd_send_outputs
+
+        def counted(mb, stage_index=stage.stage_index, original=original):
+            released[stage_index].append(mb)
+            original(mb)
+
+        stage.release_fwd_send_outputs = counted
+    place = placement(schedule, pp, n)
+    x, y = _numerics.batch(0, n, 0, "cpu")
+    sched.step(x, target=y) if place.feeds_batch(rank) else sched.step()
+    sends = {s: sorted(a.microbatch_index for a in sched.pipeline_order_with_comms[rank]
+                       if a.stage_index == s and str(a.computation_type).endswith("SEND_F")) for s in released}
+    return {"released": {s: sorted(mbs) for s, mbs in released.items()}, "sends": sends}

@@ -70,6 +70,90 @@ def test_fsdp2(pool, schedule, pp, n):
     assert len(ran) == WORLD
 
 
+_TORCH_2_15_OPTIONS = {"defer_reduce_grad_wait": pipelining.ASYNC_REDUCE_GRAD, "unshard_lookahead": pipelining.UNSHARD_LOOKAHEAD}
+
+
+@pytest.mark.parametrize("schedule,pp,n,options", [
+    ("DualPipeV", 2, 5, {"defer_reduce_grad_wait": True}), ("DualPipe", 2, 4, {"defer_reduce_grad_wait": True}),
+    ("DualPipeV", 4, 8, {"defer_reduce_grad_wait": True, "unshard_lookahead": "auto"}),
+    ("DualPipeV", 2, 5, {"unshard_lookahead": (1, 1)}), ("DualPipe", 4, 8, {"max_active_stages": 2, "unshard_lookahead": (1,) * 4}),
+])
+def test_torchs_fsdp_options_train_as_the_reference(pool, schedule, pp, n, options):
+    """torch 2.15's FSDP options of its runtime, on ours, with FSDP2: the reduction started at
+    REDUCE_GRAD and waited later (before the next reduction, or at the end), one stage unsharded
+    unshards issued one stage ahead (a rank's second stage unsharded at its first compute). On a torch without them, the same
+    PipelineConfigError names the release on every rank."""
+    missing = [name for name in options if not _TORCH_2_15_OPTIONS.get(name, True)
+               and options[name] not in (False, "full")]
+    if missing:
+        errors = [e for e in pool.run(cases.bad_schedule_options, schedule=schedule, pp=pp, n=n, **options) if e]
+        assert len(errors) == pp and len(set(errors)) == 1 and "needs torch 2.15 or later" in errors[0], errors
+        return
+    ran = _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, fsdp=True, **options))
+    assert len(ran) == WORLD
+
+
+@pytest.mark.parametrize("schedule,pp,n,cap", [("DualPipeV", 2, 5, 1), ("DualPipeV", 4, 8, 2), ("DualPipe", 4, 8, 2)])
+def test_capped_outstanding_sends_train_as_the_reference(pool, schedule, pp, n, cap):
+    """``max_outstanding_sends``: the oldest sends are waited for once more are pending (every
+    torch); the cap is one the NCCL model completes (checked at construction)."""
+    _ran(pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, max_outstanding_sends=cap))
+
+
+@pytest.mark.parametrize("schedule,pp,n,options", [
+    ("DualPipeV", 2, 4, {}), ("DualPipe", 2, 4, {}), ("DualPipeV", 2, 4, {"overlap": False}),
+    ("DualPipeV", 2, 4, {"two_batch_overlap": "all"}),
+])
+def test_forward_contexts_enter_once_per_forward(pool, schedule, pp, n, options):
+    """torch 2.15's ``PipelineStage.register_forward_context``: ours enter it once around every
+    forward of every stage, pairs and two-batch halves included (a forward in halves: once)."""
+    if not hasattr(pipelining.PipelineStage, "register_forward_context"):
+        pytest.skip("torch's stages take a forward context from 2.15 on")
+    place = placement(schedule, pp, n)
+    for rank, seen in enumerate(pool.run(cases.forward_contexts_seen, schedule=schedule, pp=pp, n=n, **options)[:pp]):
+        want = sorted((s, mb) for s in place.stages_of(rank) for mb in place.microbatches(s))
+        assert seen == want, (rank, seen)
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 4), ("DualPipe", 4, 8)])
+def test_sent_outputs_are_released_once_sent(pool, schedule, pp, n):
+    """torch 2.15's stages can drop a forward's outputs once their send completed (the backward
+    starts from their autograd edges): ours release every sent microbatch, once."""
+    if not hasattr(pipelining.PipelineStage, "release_fwd_send_outputs"):
+        pytest.skip("torch's stages hold sent outputs to their backward before 2.15")
+    for r in pool.run(cases.released_after_send, schedule=schedule, pp=pp, n=n)[:pp]:
+        assert r["released"] == r["sends"], r
+        assert any(r["sends"].values()), r
+
+
+def test_fewer_than_two_active_stages_are_refused(pool):
+    """A pair computes on both of a rank's stages at once: ``max_active_stages=1`` is refused on
+    every rank, naming why (torch 2.15's lowering raises for it mid-construction)."""
+    errors = pool.run(cases.bad_schedule_options, schedule="DualPipeV", pp=2, n=4, max_active_stages=1)
+    assert errors[:2] == [errors[0]] * 2 and "max_active_stages=1: an overlapped pair" in errors[0], errors
+
+
+@pytest.mark.parametrize("defer_recv", [False, True])
+def test_every_send_cap_completes_on_nccl(defer_recv):
+    """On the NCCL model (no buffering: a waited send blocks its rank until the peer posts the
+    receive), DualPipe(V)'s orders complete under any ``max_outstanding_sends``, 0 (each send
+    waited at once) included: every receive is posted before its rank waits on anything its
+    sender posts later. The constructor still checks a hand-made (CSV) order against its cap."""
+    from titan_dualpipe.orders.lowering import lower
+    from titan_dualpipe.orders.nccl_model import Wait, check_completes, planned_trace
+
+    for schedule, pp, n in (("DualPipeV", 2, 5), ("DualPipeV", 4, 8), ("DualPipeV", 8, 17), ("DualPipe", 2, 4),
+                            ("DualPipe", 4, 10), ("DualPipe", 8, 16)):
+        place = placement(schedule, pp, n)
+        lowered = lower(compute_order(schedule, pp, n), place, defer_recv=defer_recv)
+        uncapped = planned_trace(lowered, place)
+        for cap in (0, 1, 2):
+            capped = planned_trace(lowered, place, max_outstanding_sends=cap)
+            assert sum(isinstance(e, Wait) for events in capped.values() for e in events) == \
+                sum(isinstance(e, Wait) for events in uncapped.values() for e in events)  # each send waited once
+            check_completes(capped)
+
+
 @pytest.mark.parametrize("schedule,pp,n,runtime", [
     ("DualPipeV", 2, 5, "torch_csv"),  # torch's _PipelineScheduleRuntime loads our CSV and runs it
     ("DualPipeV", 2, 5, "ours_csv_compute_only"),

@@ -7,6 +7,8 @@ says the same, so a torch release that fixes one of them fails here until the fl
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,21 +30,60 @@ def pool():
 
 
 def test_one_supported_range_everywhere():
-    """pyproject's requirement, the import check and the setup script agree: 2.11 to 2.14."""
-    assert _compat.SUPPORTED_TORCH == (">=2.11", "<2.15")
+    """pyproject's requirement, the import check and the setup script agree: 2.11 to 2.15."""
+    assert _compat.SUPPORTED_TORCH == (">=2.11", "<2.16")
     assert bootstrap.range_text() == "torch" + ",".join(_compat.SUPPORTED_TORCH)
-    for version in ("2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1+cu130"):
+    for version in ("2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132"):
         assert bootstrap.in_range(version)
         _compat.check_torch_version(version)
-    for version in ("2.10.0", "2.15.0", "3.0.0"):
+    for version in ("2.10.0", "2.16.0", "3.0.0"):
         assert not bootstrap.in_range(version)
-        with pytest.raises(ImportError, match=r"supports torch >=2.11,<2.15 .* found torch " + version):
+        with pytest.raises(ImportError, match=r"supports torch >=2.11,<2.16 .* found torch " + version):
             _compat.check_torch_version(version)
 
 
 def test_setup_refuses_an_unsupported_torch_before_installing():
-    with pytest.raises(SystemExit, match=r"--torch 2.10.0 is outside the supported range torch>=2.11,<2.15"):
+    with pytest.raises(SystemExit, match=r"--torch 2.10.0 is outside the supported range torch>=2.11,<2.16"):
         bootstrap.ensure_venv("2.10.0")
+
+
+def test_an_exact_torch_installs_past_a_machine_wide_cap(monkeypatch):
+    """``--torch X`` installs exactly X even where pip's configuration caps torch lower (a
+    constraints file): bootstrap empties ``PIP_CONSTRAINT`` for both its installs."""
+    monkeypatch.setenv("PIP_CONSTRAINT", "/etc/xdg/pip/constraints.txt")
+    assert bootstrap._exact_torch_env()["PIP_CONSTRAINT"] == os.devnull
+
+
+def test_the_reduce_grad_wait_follows_this_torch():
+    """2.15 gave each REDUCE_GRAD a WAIT_REDUCE_GRAD; our lowering writes them as torch's pass
+    does (right after, or deferred: before the next reduction, the last at the end), none before 2.15."""
+    assert (pipelining.WAIT_REDUCE_GRAD is None) == (not hasattr(pipelining._ComputationType, "WAIT_REDUCE_GRAD"))
+    place = placement("DualPipeV", 2, 4)
+    for deferred in (False, True):
+        for lowered in lower(compute_order("DualPipeV", 2, 4), place, defer_reduce_grad_wait=deferred).values():
+            actions = [a for a in lowered if a.is_compute_op or "REDUCE_GRAD" in str(a)]  # communication aside
+            kinds = [str(a) for a in actions]
+            reduced = [i for i, a in enumerate(actions) if a.computation_type == pipelining.REDUCE_GRAD]
+            waits = [i for i, a in enumerate(actions) if a.computation_type == pipelining.WAIT_REDUCE_GRAD]
+            assert len(reduced) == 2, kinds
+            if pipelining.WAIT_REDUCE_GRAD is None:
+                assert waits == [], kinds
+            elif deferred:
+                assert [actions[i].stage_index for i in waits] == [actions[i].stage_index for i in reduced], kinds
+                assert waits == [reduced[1] - 1, len(actions) - 1], kinds
+            else:
+                assert waits == [i + 1 for i in reduced], kinds
+
+
+def test_our_start_up_runs_on_this_torch(pool):
+    """torch's stage initialisation calls our start-up under this torch's name for it (2.15:
+    ``_initialize_pipeline_distributed_state``, before: ``_warmup_p2p``): the pair communicators
+    are created once, before the first action, over two steps and an eval (whose mode switch
+    runs it again, without connecting, on 2.15)."""
+    for schedule, pp, n in (("DualPipeV", 2, 4), ("DualPipe", 4, 8)):
+        calls = [c for c in pool.run(cases.start_up_calls, schedule=schedule, pp=pp, n=n) if c is not None]
+        assert len(calls) == pp
+        assert all(c["connect"] == 1 for c in calls), calls
 
 
 def test_torch_deferred_recvs_mismatch_v_messages_ours_do_not():

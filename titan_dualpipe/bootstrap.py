@@ -10,8 +10,9 @@ kept if it is in the supported range (``pyproject.toml``), a venv without torch 
 ``torch==2.13.0`` (the CPU build), and a torch outside the range stops with a message naming
 the range. ``--torch X`` uses ``.venv-torchX`` with exactly ``torch==X`` (a CUDA build from
 the registry for versions other than 2.13.0; it runs on CPU too). ``--torchtitan 0.3.0`` uses
-``.venv-torch2.14.1-torchtitan0.3.0`` (with ``--torch X``: ``.venv-torchX-torchtitan0.3.0``),
-torchtitan 0.3.0 and torch 2.14.1, the torch it is tested with. Everything else comes from
+``.venv-torch2.15.0-torchtitan0.3.0`` (with ``--torch X``: ``.venv-torchX-torchtitan0.3.0``),
+torchtitan 0.3.0 and torch 2.15.0, the newest torch it is tested with. An exact torch is installed
+past a machine-wide pip constraint that caps torch lower. Everything else comes from
 ``pyproject.toml``; downloads stay in pip's cache, so a second environment of the same torch
 installs quickly.
 """
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TORCH = "2.13.0"
 EXTRAS = ("test", "plot")  # besides the torchtitan extra
 # torchtitan release -> (pyproject extra that installs it, the torch it is tested with)
-TORCHTITAN = {"0.2.2": ("titan", DEFAULT_TORCH), "0.3.0": ("titan030", "2.14.1")}
+TORCHTITAN = {"0.2.2": ("titan", DEFAULT_TORCH), "0.3.0": ("titan030", "2.15.0")}
 _TORCH_REQUIREMENT = re.compile(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"')
 
 
@@ -57,8 +58,15 @@ def _venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def _run(*cmd: str | os.PathLike) -> None:
-    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
+def _run(*cmd: str | os.PathLike, env: dict[str, str] | None = None) -> None:
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, env=env)
+
+
+def _exact_torch_env() -> dict[str, str]:
+    """pip's environment for a venv whose torch was asked for exactly (``--torch X``): without a
+    machine-wide constraints file (``PIP_CONSTRAINT`` empties it), which may cap torch below X and
+    would otherwise make the package's own install replace the torch just installed."""
+    return {**os.environ, "PIP_CONSTRAINT": os.devnull}
 
 
 def _torch_version(python: Path) -> str | None:
@@ -103,9 +111,10 @@ def ensure_venv(torch: str | None = None, torchtitan: str | None = None) -> Path
     if stamp.exists() and stamp.read_text() == digest and installed is not None and _same(installed, wanted):
         return python
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    env = _exact_torch_env() if torch is not None else None
     if installed is None or not _same(installed, wanted):
-        _run(*pip, f"torch=={wanted}")
-    _run(*pip, "-e", f".[{','.join((extra, *EXTRAS))}]")
+        _run(*pip, f"torch=={wanted}", env=env)
+    _run(*pip, "-e", f".[{','.join((extra, *EXTRAS))}]", env=env)
     stamp.write_text(digest)
     return python
 

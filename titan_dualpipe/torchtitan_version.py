@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 # torchtitan release -> the torch minor versions it is tested with (both ends included)
 TESTED_TORCHTITAN: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "0.2.2": ((2, 11), (2, 14)),
-    "0.3.0": ((2, 14), (2, 14)),
+    "0.3.0": ((2, 14), (2, 15)),
 }
 REGISTRY_RELEASES = ("0.3.0",)  # configs are config_registry functions, not TOMLs
 INSTALL_HINT = "pip install 'titan_dualpipe[titan]' (torchtitan 0.2.2) or 'titan_dualpipe[titan030]' (torchtitan 0.3.0)"

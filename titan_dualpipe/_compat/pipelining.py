@@ -1,6 +1,6 @@
 """torch's pipelining IR and runtime under the names the package uses: the action types and their
 shorthands, torch's lowering passes and batched p2p, the stage classes, the split backward, and the
-flags of the torch problems we work around. Read against torch 2.11.0, 2.13.0, 2.14.1.
+flags of the torch problems we work around. Read against torch 2.11.0, 2.13.0, 2.14.1, 2.15.0.
 
 What differs across the range, and what we do about it:
 
@@ -14,6 +14,11 @@ What differs across the range, and what we do about it:
   :data:`SPLIT_BACKWARD_NEEDS_UNSHARD` (nested FSDP2 loses weight grads in a split backward),
   :data:`STATIC_METADATA_DROPS_INPUT_GRADS` (static stage metadata loses input gradients)
   and torch's single-chain send/recv lowering (``_add_send_recv``; DualPipe has two chains).
+- 2.15: each REDUCE_GRAD has a WAIT_REDUCE_GRAD (FSDP2 can reduce asynchronously), a stage keeps a
+  forward's state in ``_forward_chunk_states`` (was ``fwd_cache``) and may drop sent outputs
+  (``release_fwd_send_outputs``), the FSDP lowering takes an ``unshard_lookahead``:
+  :func:`add_reduce_grad`, :func:`forward_states`, :func:`release_sent_outputs`,
+  :func:`add_unshard_reshard` serve every release.
 """
 
 from __future__ import annotations
@@ -77,6 +82,12 @@ RECV_B = _ComputationType.RECV_B
 UNSHARD = _ComputationType.UNSHARD
 RESHARD = _ComputationType.RESHARD
 REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+# 2.15+ (None before): REDUCE_GRAD's wait, and a send's own wait
+WAIT_REDUCE_GRAD = getattr(_ComputationType, "WAIT_REDUCE_GRAD", None)
+WAIT_SEND_F = getattr(_ComputationType, "WAIT_SEND_F", None)
+WAIT_SEND_B = getattr(_ComputationType, "WAIT_SEND_B", None)
+ASYNC_REDUCE_GRAD: bool = WAIT_REDUCE_GRAD is not None  # FSDP2's reduction started at REDUCE_GRAD, waited later
+UNSHARD_LOOKAHEAD: bool = "unshard_lookahead" in inspect.signature(_add_unshard_reshard).parameters  # 2.15+
 
 # Static stage metadata (PipelineStage(..., input_args=, output_args=), no shape inference), 2.12+
 # (its static/dynamic metadata code): the received activations' requires_grad comes from the
@@ -132,7 +143,65 @@ def input_grads(input_values: list) -> tuple:
     return tuple(grads)
 
 
+def forward_states(stage: _PipelineStageBase) -> dict[int, Any]:
+    """What ``stage`` keeps of each microbatch's forward for its backward, by microbatch: 2.15+
+    ``_forward_chunk_states``, before it ``fwd_cache``."""
+    states = getattr(stage, "_forward_chunk_states", None)
+    return states if states is not None else stage.fwd_cache
+
+
+def forget_forward(stage: _PipelineStageBase, mb: int | None = None) -> None:
+    """Drop what ``stage`` keeps of microbatch ``mb``'s forward (every microbatch's when None)."""
+    states = forward_states(stage)
+    if mb is None:
+        states.clear()
+    else:
+        states.pop(mb, None)
+
+
+def release_sent_outputs(stage: _PipelineStageBase, mb: int) -> None:
+    """2.15+: drop the stage's reference to microbatch ``mb``'s outputs whose send completed (its
+    backward starts from their autograd edges); before 2.15 the stage keeps them to its backward."""
+    release = getattr(stage, "release_fwd_send_outputs", None)
+    if release is not None:
+        release(mb)
+
+
+def reduces_asynchronously(stage: _PipelineStageBase) -> bool:
+    """Whether ``stage`` can start its FSDP2 gradient reduction and wait for it later (2.15+:
+    ``start_gradient_reduction`` / ``wait_for_gradient_reduction``, an FSDP2 module)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(stage, "start_gradient_reduction") and isinstance(stage.submod, FSDPModule) and stage.has_backward
+
+
+def add_unshard_reshard(actions: list, max_active_stages: int, lookahead: int) -> list:
+    """torch's ``_add_unshard_reshard``: at most ``max_active_stages`` stages unsharded at once,
+    unshards issued ``lookahead`` distinct stages ahead (2.15+; before it, ``max_active_stages``
+    ahead: a smaller lookahead is refused before, see :data:`UNSHARD_LOOKAHEAD`)."""
+    if UNSHARD_LOOKAHEAD:
+        return _add_unshard_reshard(actions, max_active_stages, unshard_lookahead=lookahead)
+    return _add_unshard_reshard(actions, max_active_stages)
+
+
+def add_reduce_grad(actions: list, n_microbatches: int, defer_wait: bool) -> list:
+    """torch's ``_add_reduce_grad``: REDUCE_GRAD after a stage's n-th backward; 2.15+ with its
+    WAIT_REDUCE_GRAD, right after it or (``defer_wait``) before the next reduction or at the end."""
+    if WAIT_REDUCE_GRAD is None:
+        return _add_reduce_grad(actions, n_microbatches)
+    return _add_reduce_grad(actions, n_microbatches, defer_reduce_grad_wait=defer_wait)
+
+
+def reduce_grad_actions(stage_index: int) -> list[_Action]:
+    """A synchronous reduction of ``stage_index``'s gradients as this torch's order writes it."""
+    actions = [_Action(stage_index, REDUCE_GRAD, None)]
+    if WAIT_REDUCE_GRAD is not None:
+        actions.append(_Action(stage_index, WAIT_REDUCE_GRAD, None))
+    return actions
+
+
 __all__ = [
+    "ASYNC_REDUCE_GRAD",
     "B",
     "F",
     "HAS_METADATA_VOTE",
@@ -151,7 +220,11 @@ __all__ = [
     "TORCH_DEFER_RECV_OPS",
     "TracedPipelineStage",
     "UNSHARD",
+    "UNSHARD_LOOKAHEAD",
     "W",
+    "WAIT_REDUCE_GRAD",
+    "WAIT_SEND_B",
+    "WAIT_SEND_F",
     "_Action",
     "_ComputationType",
     "_PipelineContext",
@@ -165,8 +238,15 @@ __all__ = [
     "_get_profiler_function_name",
     "_validate_schedule",
     "_wait_batch_p2p",
+    "add_reduce_grad",
+    "add_unshard_reshard",
+    "forget_forward",
+    "forward_states",
     "get_schedule_class",
     "input_grads",
+    "reduce_grad_actions",
+    "reduces_asynchronously",
+    "release_sent_outputs",
     "schedule_kwargs",
     "split_target",
     "stage_backward_input",

@@ -1,6 +1,6 @@
 """torch's stage initialisation before a schedule's first action, per release: stage metadata
 (shape inference, static metadata, the vote on it) and the warm-up messages between neighbour
-stages. Read against torch 2.11.0, 2.13.0, 2.14.1.
+stages. Read against torch 2.11.0, 2.13.0, 2.14.1, 2.15.0.
 
 What differs across the range, and what we do about it:
 
@@ -8,9 +8,13 @@ What differs across the range, and what we do about it:
   kwargs)``; 2.12 added static/dynamic metadata inference (``InferenceMode``, a vote in
   ``_warmup_p2p``, ``_initialize_stages(args, kwargs, target)``), 2.13 its ``loss_kwargs``.
   :func:`initialize_stages` calls whichever exists; ``pipelining.HAS_METADATA_VOTE`` says whether
-  the vote runs (our DualPipe replaces it, see ``ScheduleDualPipe._warmup_p2p``).
-- Warm-up messages from a rank to itself, which gloo rejects (2.11; traced stages on 2.12+):
-  :func:`warm_up_neighbours` leaves them out.
+  the vote runs (our DualPipe replaces it before 2.15, see ``ScheduleDualPipe._vote_inference_mode``).
+- The start-up: ``_warmup_p2p(stages, has_backward, p2p_done)`` to 2.14,
+  ``_initialize_pipeline_distributed_state(stages, has_backward, initialize_p2p)`` from 2.15
+  (the vote one all-reduce, p2p pairs connected up front): :func:`with_start_up` installs a
+  schedule's ``_start_up`` under this torch's name, :func:`torch_start_up` calls torch's own.
+- Warm-up messages from a rank to itself, which gloo rejects (2.11; traced stages on 2.12-2.14):
+  :func:`warm_up_neighbours` leaves them out; 2.15 sends none.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ from .pipelining import (
 )
 
 _INIT_STAGES_KEYWORDS = frozenset(inspect.signature(PipelineScheduleMulti._initialize_stages).parameters)
+
+
+# 2.15+: torch's start-up (metadata vote, p2p edges connected up front) is
+# ``_initialize_pipeline_distributed_state(stages, has_backward, initialize_p2p)``; before it,
+# ``_warmup_p2p(stages, has_backward, p2p_done)``. Same arguments, the last one negated.
+START_UP_METHOD = ("_initialize_pipeline_distributed_state"
+                   if hasattr(PipelineScheduleMulti, "_initialize_pipeline_distributed_state") else "_warmup_p2p")
 
 
 def initialize_stages(schedule: PipelineScheduleMulti, args: tuple, kwargs: dict, target: Any,
@@ -119,7 +130,7 @@ def runnable_on_gloo(schedule: PipelineScheduleMulti) -> PipelineScheduleMulti:
     :func:`warm_up_neighbours` (2.12+, traced stages) instead. Otherwise unchanged."""
     if "target" not in _INIT_STAGES_KEYWORDS:
         schedule._initialize_stages = types.MethodType(_initialize_stages_by_shape_exchange, schedule)
-    elif not all(isinstance(stage, PipelineStage) for stage in schedule._stages):
+    elif START_UP_METHOD == "_warmup_p2p" and not all(isinstance(stage, PipelineStage) for stage in schedule._stages):
         schedule._warmup_p2p = _warm_up_unless_done
     return schedule
 
@@ -138,10 +149,46 @@ def agreed_inference_mode(stages: list[Any], has_backward: bool, vote: Callable[
         stage._inference_mode = mode
 
 
+def torch_start_up(schedule: PipelineScheduleMulti, stages: list[_PipelineStageBase], has_backward: bool,
+                   connect: bool) -> None:
+    """torch's own start-up for ``schedule``'s stages: the metadata-inference vote, and with
+    ``connect`` (the first time) its p2p warm-up (before 2.15: messages to the neighbour stages; 2.15+:
+    one exchange per pair of ranks, none to a rank itself)."""
+    method = getattr(PipelineScheduleMulti, START_UP_METHOD)
+    method(schedule, stages, has_backward, connect if START_UP_METHOD != "_warmup_p2p" else not connect)
+
+
+def with_start_up(cls: type) -> type:
+    """Class decorator: torch's stage initialisation calls ``cls._start_up(stages, has_backward,
+    connect)`` (``connect``: p2p not set up yet) under this torch's name for its start-up."""
+
+    def start_up(self: Any, stages: list, has_backward: bool, flag: bool) -> None:
+        self._start_up(stages, has_backward, flag if START_UP_METHOD != "_warmup_p2p" else not flag)
+
+    start_up.__doc__ = f"torch's {START_UP_METHOD}: runs ``_start_up``."
+    setattr(cls, START_UP_METHOD, start_up)
+    return cls
+
+
+def warm_up_traced(schedule: PipelineScheduleMulti, stages: list[_PipelineStageBase], has_backward: bool,
+                   connect: bool) -> None:
+    """Start-up for stages from torch's tracer (``pipeline(...).build_stage``): 2.15+ torch's own
+    (it sends nothing to a rank itself); before it, torch's warm-up messages without those to this
+    rank itself (:func:`warm_up_neighbours`)."""
+    if START_UP_METHOD != "_warmup_p2p":
+        torch_start_up(schedule, stages, has_backward, connect)
+    elif connect:
+        warm_up_neighbours(stages)
+
+
 __all__ = [
+    "START_UP_METHOD",
     "agreed_inference_mode",
     "initialize_stages",
     "mark_static_inputs_differentiable",
     "runnable_on_gloo",
+    "torch_start_up",
     "warm_up_neighbours",
+    "warm_up_traced",
+    "with_start_up",
 ]

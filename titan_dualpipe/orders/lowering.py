@@ -12,7 +12,6 @@ from collections import deque
 from typing import Iterable
 
 from .._compat.pipelining import (
-    REDUCE_GRAD,
     RESHARD,
     UNSHARD,
     RECV_B,
@@ -20,10 +19,11 @@ from .._compat.pipelining import (
     SEND_B,
     SEND_F,
     _Action,
-    _add_reduce_grad,
-    _add_unshard_reshard,
     _format_pipeline_order,
     _validate_schedule,
+    add_reduce_grad,
+    add_unshard_reshard,
+    reduce_grad_actions,
 )
 from .dataflow import input_source, output_destination, receive_for
 from .placement import Placement
@@ -131,25 +131,49 @@ def insert_send_recv(order: dict[int, list[_Action]], place: Placement) -> Order
 
 def lower(
     order: dict[int, list[_Action]], place: Placement, *, defer_recv: bool = False,
-    fsdp_at_step_edges: bool = False,
+    fsdp_at_step_edges: bool = False, defer_reduce_grad_wait: bool = False, max_active_stages: int = 3,
+    unshard_lookahead: str | tuple[int, ...] = "full",
 ) -> Order:
     """Compute-only order -> the compute+comms order the runtime executes.
 
     FSDP actions go where torch puts them (UNSHARD before a stage's first action, RESHARD after
-    its last, REDUCE_GRAD after its last backward), or, with ``fsdp_at_step_edges``, all at the
-    step's edges in model-part order (:func:`fsdp_at_step_edges`).
+    its last, REDUCE_GRAD after its last backward, on torch 2.15+ with its WAIT_REDUCE_GRAD right
+    after it or, ``defer_reduce_grad_wait``, before the next reduction or at the end), or, with
+    ``fsdp_at_step_edges``, all at the step's edges in model-part order (:func:`fsdp_at_step_edges`).
+    ``max_active_stages`` and ``unshard_lookahead`` are torch's (:func:`unshard_lookaheads`).
     """
     validate_order(order, place)
     per_stage = place.microbatches_per_stage()
     if fsdp_at_step_edges:
         with_fsdp = {rank: _fsdp_at_step_edges(list(actions), place, rank) for rank, actions in order.items()}
     else:
+        lookaheads = unshard_lookaheads(unshard_lookahead, len(order), max_active_stages)
         with_fsdp = {
-            rank: _add_reduce_grad(_add_unshard_reshard(list(actions)), per_stage)
+            rank: add_reduce_grad(add_unshard_reshard(list(actions), max_active_stages, lookaheads[rank]), per_stage,
+                                  defer_reduce_grad_wait)
             for rank, actions in order.items()
         }
     lowered = insert_send_recv(with_fsdp, place)
     return defer_recvs(lowered, place) if defer_recv else lowered
+
+
+def unshard_lookaheads(lookahead: str | tuple[int, ...], pp: int, max_active_stages: int) -> tuple[int, ...]:
+    """Per pipeline rank, how many distinct upcoming stages' unshards may be issued ahead (torch
+    2.15's ``unshard_lookahead``): ``"full"`` ``max_active_stages``; ``"auto"`` ``min(rank + 2,
+    max_active_stages)`` (later ranks start their first compute later); a tuple, one per rank.
+    ValueError naming the value otherwise."""
+    if isinstance(max_active_stages, bool) or not isinstance(max_active_stages, int) or max_active_stages < 1:
+        raise ValueError(f"max_active_stages={max_active_stages!r}: pass a positive integer (default 3)")
+    if lookahead == "full":
+        return (max_active_stages,) * pp
+    if lookahead == "auto":
+        return tuple(min(rank + 2, max_active_stages) for rank in range(pp))
+    if (not isinstance(lookahead, tuple) or len(lookahead) != pp
+            or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max_active_stages
+                   for k in lookahead)):
+        raise ValueError(f"unshard_lookahead={lookahead!r}: pass 'full', 'auto' or a tuple of {pp} integers "
+                         f"(one per pipeline rank) in [1, max_active_stages={max_active_stages}]")
+    return lookahead
 
 
 def _fsdp_at_step_edges(actions: list[_Action], place: Placement, rank: int) -> list[_Action]:
@@ -159,7 +183,7 @@ def _fsdp_at_step_edges(actions: list[_Action], place: Placement, rank: int) -> 
     issue their FSDP collectives in the same order, at the same points of their steps."""
     stages = sorted(place.stages_of(rank), key=place.model_part)
     return ([_Action(s, UNSHARD, None) for s in stages] + actions
-            + [_Action(s, REDUCE_GRAD, None) for s in stages] + [_Action(s, RESHARD, None) for s in stages])
+            + [a for s in stages for a in reduce_grad_actions(s)] + [_Action(s, RESHARD, None) for s in stages])
 
 
 def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:

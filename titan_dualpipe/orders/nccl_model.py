@@ -373,14 +373,17 @@ def kernels_of(trace: Trace) -> Sequence[tuple[int, Post]]:
     return [(rank, e) for rank, events in sorted(trace.items()) for e in events if isinstance(e, Post)]
 
 
-def planned_trace(lowered: dict[int, list], place, *, lone_ops_on_pairs: bool = True, group: str = "pp") -> Trace:
+def planned_trace(lowered: dict[int, list], place, *, lone_ops_on_pairs: bool = True, group: str = "pp",
+                  max_outstanding_sends: int | None = None) -> Trace:
     """What the runtime posts for a lowered order (before any early send), as a trace.
 
     Each SEND/RECV action is one kernel (an all-send or all-receive batch: a lone op on the
     pair's communicator when ``lone_ops_on_pairs``, torch 2.13+; a batch on the group's
     communicator otherwise, torch 2.11-2.12); a compute action waits for the receives feeding
     it; the step ends waiting for every send. Signatures name the message (stage, kind,
-    microbatch), so a receive matched to another message is reported.
+    microbatch), so a receive matched to another message is reported. ``max_outstanding_sends``:
+    after posting a send, the rank waits for its oldest sends until at most that many are pending
+    (the runtime's cap).
     """
     from .._compat.pipelining import RECV_B, RECV_F, SEND_B, SEND_F
     from .dataflow import peer_stage
@@ -414,6 +417,8 @@ def planned_trace(lowered: dict[int, list], place, *, lone_ops_on_pairs: bool = 
                 events.append(Post(work, comm, (op,), str(action)))
                 if op.kind == SEND:
                     sends.append(work)
+                    while max_outstanding_sends is not None and len(sends) > max_outstanding_sends:
+                        events.append(Wait(sends.pop(0)))
                 else:
                     consumer = "F" if kind == RECV_F else "B"
                     recv_work[(action.stage_index, consumer, action.microbatch_index)] = work

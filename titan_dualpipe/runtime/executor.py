@@ -20,7 +20,9 @@ What each action does (stage ``s``, microbatch ``m``):
 ``RECV_*``     post an async recv into ``s``'s buffers; waited just before its consumer.
 ``UNSHARD``    FSDP: start all-gathering ``s``'s parameters; RESHARD frees them again.
 ``REDUCE_GRAD`` after ``s``'s last backward: FSDP gradient reduction, then divide grads by
-               ``n_microbatches`` when ``scale_grads``.
+               ``n_microbatches`` when ``scale_grads``. With ``defer_reduce_grad_wait``
+               (torch 2.15+, FSDP2) it only starts the reduction; ``WAIT_REDUCE_GRAD``
+               waits for it, then divides.
 =============  ==========================================================================
 """
 
@@ -50,12 +52,16 @@ from .._compat.pipelining import (
     SEND_F,
     UNSHARD,
     W,
+    WAIT_REDUCE_GRAD,
     _Action,
     _batch_p2p,
     _format_pipeline_order,
     _get_profiler_function_name,
     _PipelineContext,
     _wait_batch_p2p,
+    forget_forward,
+    reduces_asynchronously,
+    release_sent_outputs,
 )
 from .failures import PeerFailed, first_line, peer_failed, record, root_cause
 from .fsdp import fsdp_modules, unshard_all
@@ -67,11 +73,11 @@ from .two_batch import halves_runner
 from .split_backward import SplitDecisions
 from .timeline import StepClock, TimedAction, clock_for, span_seconds
 
-BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD)
+BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD, WAIT_REDUCE_GRAD)
 _HANDLERS: dict[Any, str] = {  # action type -> StepExecutor method
     F: "forward", B: "backward", I: "backward", W: "weight", OVERLAP_F_B: "pair",
     SEND_F: "send_forward", SEND_B: "send_backward", RECV_F: "recv_forward", RECV_B: "recv_backward",
-    UNSHARD: "unshard", RESHARD: "reshard", REDUCE_GRAD: "reduce_grad",
+    UNSHARD: "unshard", RESHARD: "reshard", REDUCE_GRAD: "reduce_grad", WAIT_REDUCE_GRAD: "wait_reduce_grad",
 }
 logger = logging.getLogger("titan_dualpipe")
 
@@ -115,6 +121,7 @@ class StepExecutor:
         self.deferring: set[tuple[int, int]] = set()  # (stage, mb) whose forward defers its weight GEMMs
         self.deferred_forwards: set[tuple[int, int]] = set()  # ... and whose forward did
         self.unreduced_holders: dict[int, set[int]] = {}  # by parameter: this rank's stages yet to REDUCE_GRAD it
+        self.reducing: set[int] = set()  # stages whose FSDP reduction was started, not yet waited for
         for s, stage in self.stages.items():
             for param in stage.submod.parameters():
                 self.unreduced_holders.setdefault(id(param), set()).add(s)
@@ -151,11 +158,12 @@ class StepExecutor:
                     self._perform(action)
             action = None
             while self.sends:
-                send, works = self.sends.pop()
-                self._wait(works, send)
+                self._retire_send(0)
+            for s in sorted(self.reducing):  # a hand-written order may leave a reduction unwaited
+                self._finish_reduction(s)
             if not self.training:  # forwards of custom functions (register_custom_function) cached theirs too
                 for stage in self.stages.values():
-                    stage.fwd_cache.clear()
+                    forget_forward(stage)
             self._resolve_timeline()
         except BaseException as err:
             self._report(err, actions, action)
@@ -314,7 +322,7 @@ class StepExecutor:
         now, or once its send is posted when it goes to another rank. A returned output is kept
         without its graph."""
         if not sent:
-            stage.fwd_cache.pop(mb, None)
+            forget_forward(stage, mb)
         if self.return_outputs and stage.is_last and stage.output_chunks:
             stage.output_chunks[-1] = tree_map_only(torch.Tensor, torch.Tensor.detach, stage.output_chunks[-1])
 
@@ -422,13 +430,32 @@ class StepExecutor:
         for op in ops:  # a posted send's work holds its tensor until waited; torch 2.11's, the graph with it
             op.tensor = op.tensor.detach()
         works = self._post(ops, action)
-        self.sends.append((action, works))
+        self._posted_send(action, works)
         if not self.training:  # eval(): the output's last use (see _forward_only_done)
-            stage.fwd_cache.pop(action.microbatch_index, None)
+            forget_forward(stage, action.microbatch_index)
 
     def send_backward(self, action: _Action) -> None:
         works = self._post(self.stages[action.stage_index].get_bwd_send_ops(action.microbatch_index), action)
+        self._posted_send(action, works)
+
+    def _posted_send(self, action: _Action, works: list[dist.Work]) -> None:
+        """Keep a posted send until it completes. Those already complete are retired now (torch 2.15+:
+        the stage then drops its references to a forward's outputs, whose backward starts from their
+        autograd edges); with ``max_outstanding_sends``, the oldest are waited for until no more than
+        that many are pending (``orders.nccl_model.planned_trace`` checks that order at construction)."""
+        for i in reversed(range(len(self.sends))):
+            if all(work.is_completed() for work in self.sends[i][1]):
+                self._retire_send(i)
         self.sends.append((action, works))
+        cap = self.schedule.max_outstanding_sends
+        while cap is not None and len(self.sends) > cap:
+            self._retire_send(0)
+
+    def _retire_send(self, i: int) -> None:
+        send, works = self.sends.pop(i)
+        self._wait(works, send)
+        if send.computation_type == SEND_F and self.training:
+            release_sent_outputs(self.stages[send.stage_index], send.microbatch_index)
 
     def post_send_early(self, send: _Action) -> None:
         """Post a forward send now, ahead of its place in the order (which then skips it).
@@ -469,6 +496,9 @@ class StepExecutor:
     def reshard(self, action: _Action) -> None:
         stage = self.stages[action.stage_index]
         if isinstance(stage.submod, FSDPModule):
+            if action.stage_index in self.reducing:  # its reduction reshards it when it finishes
+                self.schedule.unsharded_stages.discard(action.stage_index)
+                return
             self.schedule._assert_unsharded(stage)  # finishes a pending unshard first
             for module in fsdp_modules(stage.submod):
                 module.reshard()
@@ -477,14 +507,34 @@ class StepExecutor:
     def reduce_grad(self, action: _Action) -> None:
         """torch's reduction (FSDP's post-backward), then each of the stage's gradients divided by the
         microbatch count once: a parameter two stages of this rank hold (tied weights) once both
-        have reduced (torch's ``scale_grads`` divides it once per stage)."""
+        have reduced (torch's ``scale_grads`` divides it once per stage). With
+        ``defer_reduce_grad_wait`` an FSDP2 reduction is only started here (its WAIT_REDUCE_GRAD
+        finishes it), so it runs while the rank computes on."""
         stage = self.stages[action.stage_index]
+        if self.schedule.defer_reduce_grad_wait and reduces_asynchronously(stage):
+            stage.start_gradient_reduction()
+            self.reducing.add(action.stage_index)
+            return
         stage.perform_reduce_grad(1)
+        self._scale_reduced(action.stage_index)
+
+    def wait_reduce_grad(self, action: _Action) -> None:
+        """Finish a reduction REDUCE_GRAD started (nothing when it ran synchronously)."""
+        if action.stage_index in self.reducing:
+            self._finish_reduction(action.stage_index)
+
+    def _finish_reduction(self, stage_index: int) -> None:
+        self.stages[stage_index].wait_for_gradient_reduction(1)
+        self.reducing.discard(stage_index)
+        self._scale_reduced(stage_index)
+
+    def _scale_reduced(self, stage_index: int) -> None:
+        stage = self.stages[stage_index]
         if not self.schedule.scale_grads:
             return
         for param in stage.submod.parameters():
             holders = self.unreduced_holders.get(id(param), set())  # FSDP2 may have swapped in other objects
-            holders.discard(action.stage_index)
+            holders.discard(stage_index)
             if not holders and param.grad is not None:
                 param.grad.div_(self.schedule._n_microbatches)
 

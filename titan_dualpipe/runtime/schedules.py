@@ -30,7 +30,7 @@ from .._compat.pipelining import (
     schedule_kwargs,
     split_target,
 )
-from .._compat.stage_init import agreed_inference_mode, initialize_stages, warm_up_neighbours
+from .._compat.stage_init import agreed_inference_mode, initialize_stages, torch_start_up, warm_up_traced, with_start_up
 from ..orders import compute_order, placement
 from ..orders.dataflow import peer_stage
 from ..orders.lowering import lower, validate_order
@@ -49,6 +49,7 @@ from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, compiled_hooks_
                                uninstall, weight_gradients_problem)
 from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, data_parallel_problem, microbatch_signature,
+                         runtime_options_problem,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
 
 
@@ -64,10 +65,12 @@ def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
     agree(problem, stages[0].group, stages[0].device)
 
 
+@with_start_up
 class _DualPipeFamily(_PipelineScheduleRuntime):
     """What ScheduleDualPipeV and ScheduleDualPipe share.
 
-    Arguments as torch's ``ScheduleDualPipeV``, plus keyword-only:
+    Arguments as torch 2.15's ``ScheduleDualPipeV`` (on every supported torch; ``unshard_lookahead``
+    other than ``"full"`` and ``defer_reduce_grad_wait`` need 2.15), plus keyword-only:
 
     - ``overlap`` (default True): run overlapped pairs with overlap (see
       :mod:`titan_dualpipe.overlap`); False runs each pair's halves one after the other.
@@ -110,7 +113,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
         defer_pp_recv: bool = False,
+        max_active_stages: int = 3,
+        unshard_lookahead: str | tuple[int, ...] = "full",
         *,
+        defer_reduce_grad_wait: bool = False,
+        max_outstanding_sends: int | None = None,
         overlap: bool = True,
         two_batch_overlap: bool | str = False,
         weight_gradients: str = "deferred",
@@ -119,6 +126,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         record_timeline: bool = False,
     ) -> None:
         weight_gradients_problem(weight_gradients, not_deferred)
+        pp = stages[0].group_size if isinstance(stages, (list, tuple)) and stages else 1
+        problem = runtime_options_problem(self.schedule_name, pp, max_active_stages, unshard_lookahead,
+                                          defer_reduce_grad_wait, max_outstanding_sends)
+        if problem:
+            raise PipelineConfigError(problem)
         split_stages = self._check_and_place(stages, n_microbatches, overlap, two_batch_overlap)
         super().__init__(
             stages=sorted(stages, key=lambda s: s.stage_index),
@@ -132,6 +144,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             **schedule_kwargs(defer_pp_recv=defer_pp_recv),
         )
         self._init_step_state(defer_pp_recv)
+        self.defer_reduce_grad_wait = defer_reduce_grad_wait
+        self.max_active_stages, self.unshard_lookahead = max_active_stages, unshard_lookahead
+        self.max_outstanding_sends = max_outstanding_sends
         self._map_stages_to_ranks()
         self._choose_how_actions_run(overlap, split_stages, record_timeline)
         self._choose_weight_gradients(weight_gradients, not_deferred, weights_in_flight)
@@ -229,13 +244,40 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """Lower a compute-only order with our chain-aware passes, or take a compute_comms one as is."""
         if format == "compute_only":
             self.pipeline_order_with_comms = lower(actions, self.placement, defer_recv=self._defer_pp_recv,
-                                                   fsdp_at_step_edges=self.fsdp_at_step_edges)
+                                                   fsdp_at_step_edges=self.fsdp_at_step_edges,
+                                                   defer_reduce_grad_wait=self.defer_reduce_grad_wait,
+                                                   max_active_stages=self.max_active_stages,
+                                                   unshard_lookahead=self.unshard_lookahead)
         elif format == "compute_comms":
             compute = {r: [a for a in acts if a is not None and a.is_compute_op] for r, acts in actions.items()}
             validate_order(compute, self.placement)
             self.pipeline_order_with_comms = {r: [a for a in acts if a is not None] for r, acts in actions.items()}
         else:
             raise PipelineConfigError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+        self._check_send_cap()
+
+    def _check_send_cap(self) -> None:
+        """With ``max_outstanding_sends``, the order must still complete where a send completes only
+        against its posted receive (NCCL; gloo buffers): checked on the model of
+        :mod:`titan_dualpipe.orders.nccl_model`, the same on every rank, before any traffic."""
+        cap = self.max_outstanding_sends
+        if cap is None:
+            return
+        from ..orders.nccl_model import Deadlock, check_completes, planned_trace
+
+        def completes(limit: int) -> bool:
+            try:
+                check_completes(planned_trace(self.pipeline_order_with_comms, self.placement, max_outstanding_sends=limit))
+            except Deadlock:
+                return False
+            return True
+
+        if not completes(cap):
+            least = next(k for k in range(cap + 1, 4 * self._n_microbatches + 1) if completes(k))
+            raise PipelineConfigError(
+                f"{self.schedule_name}: max_outstanding_sends={cap} cannot complete this order on NCCL (a rank would wait "
+                f"for a send whose receive its peer posts later); the least that completes for pp="
+                f"{self.placement.pp_size}, {self._n_microbatches} microbatches is {least}")
 
     # -- step -------------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
@@ -412,15 +454,16 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         dist.all_gather_object(everyone, list(self.timeline), group=self._stages[0].group)
         return [event for events in everyone for event in events]
 
-    def _warmup_p2p(self, stages, has_backward, p2p_done) -> None:
-        """torch's start-up exchange (2.12+). Stages from torch's tracer get torch's warm-up messages
-        without those from a rank to itself (a V's turn, pp=1), which gloo rejects; ``PipelineStage``s
-        vote on their metadata-inference mode. Then the pipeline's pair communicators are created."""
+    def _start_up(self, stages, has_backward, connect: bool) -> None:
+        """torch's start-up exchange (2.12+; ``connect``: the first, p2p not yet set up). Stages from
+        torch's tracer get torch's warm-up without messages from a rank to itself (a V's turn, pp=1),
+        which gloo rejects; ``PipelineStage``s vote on their metadata-inference mode. Then the
+        pipeline's pair communicators are created."""
         if all(isinstance(stage, PipelineStage) for stage in stages):
-            self._vote_inference_mode(stages, has_backward, p2p_done)
-        elif not p2p_done:
-            warm_up_neighbours(stages)
-        if not p2p_done:
+            self._vote_inference_mode(stages, has_backward, connect)
+        else:
+            warm_up_traced(self, stages, has_backward, connect)
+        if connect:
             self._create_pair_communicators()
 
     def _create_pair_communicators(self) -> None:
@@ -442,8 +485,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             works += _batch_p2p([dist.P2POp(op, torch.zeros(1, device=device), group=group, group_peer=peer)])
         _wait_batch_p2p(works)
 
-    def _vote_inference_mode(self, stages, has_backward, p2p_done) -> None:
-        super()._warmup_p2p(stages, has_backward, p2p_done)
+    def _vote_inference_mode(self, stages, has_backward, connect: bool) -> None:
+        torch_start_up(self, stages, has_backward, connect)
 
     def _before_stage_init(self) -> None:
         """Hook run before torch's stage initialisation (whose shape inference runs forwards)."""
@@ -575,8 +618,8 @@ class ScheduleDualPipe(_DualPipeFamily):
         layout = mine[own_mbs[0]]
         return {**mine, **{mb: with_layout_of(layout, loss) for mb, loss in zip(other_mbs, received.unbind())}}
 
-    def _vote_inference_mode(self, stages, has_backward, p2p_done) -> None:
-        """Metadata-inference mode agreed by all ranks (torch 2.13+; torch's vote assumes a single chain)."""
+    def _vote_inference_mode(self, stages, has_backward, connect: bool) -> None:
+        """Metadata-inference mode agreed by all ranks (torch 2.13+; torch's vote before 2.15 assumes a single chain)."""
 
         def everyone_static(local_static: bool) -> bool:
             vote = torch.tensor([int(local_static)], device=self._stages[0].device)

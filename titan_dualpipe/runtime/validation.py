@@ -10,6 +10,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .._compat.fsdp import replicated_by_ddp
+from .._compat.pipelining import ASYNC_REDUCE_GRAD, UNSHARD_LOOKAHEAD
+from ..orders.lowering import unshard_lookaheads
 from ..orders.placement import Placement, check_requirements
 
 
@@ -41,6 +43,30 @@ def data_parallel_problem(name: str, stages: Any) -> str:
                     "replicate, whose DDP reducer runs in every microbatch's backward and gives wrong gradients under "
                     "pipelining; use torch.distributed._composable.replicate_with_fsdp.replicate (or fully_shard), "
                     "which the pipeline reduces once per step")
+    return ""
+
+
+def runtime_options_problem(name: str, pp: int, max_active_stages: Any, unshard_lookahead: Any,
+                            defer_reduce_grad_wait: Any, max_outstanding_sends: Any) -> str:
+    """torch 2.15's runtime options, as torch checks them, and those this torch cannot run."""
+    try:
+        lookaheads = unshard_lookaheads(unshard_lookahead, pp, max_active_stages)
+    except ValueError as err:
+        return f"{name}: {err}"
+    if max_active_stages < 2:
+        return (f"{name}: max_active_stages={max_active_stages}: an overlapped pair computes on both of a rank's two "
+                "stages at once, so both must be unsharded together; pass 2 or more (default 3)")
+    if not UNSHARD_LOOKAHEAD and lookaheads != (max_active_stages,) * pp:
+        return (f"{name}: unshard_lookahead={unshard_lookahead!r} needs torch 2.15 or later (torch {torch.__version__}'s "
+                "FSDP lowering issues every unshard max_active_stages stages ahead); leave it 'full'")
+    if not isinstance(defer_reduce_grad_wait, bool):
+        return f"{name}: defer_reduce_grad_wait={defer_reduce_grad_wait!r}: pass True or False"
+    if defer_reduce_grad_wait and not ASYNC_REDUCE_GRAD:
+        return (f"{name}: defer_reduce_grad_wait=True needs torch 2.15 or later (FSDP2 reduces asynchronously from "
+                f"2.15, finalize_backward(async_op=True)); torch {torch.__version__} reduces at REDUCE_GRAD. Leave it False")
+    if max_outstanding_sends is not None and (isinstance(max_outstanding_sends, bool)
+                                              or not isinstance(max_outstanding_sends, int) or max_outstanding_sends < 0):
+        return f"{name}: max_outstanding_sends={max_outstanding_sends!r}: pass None (no cap) or an integer >= 0"
     return ""
 
 
