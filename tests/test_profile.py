@@ -6,7 +6,8 @@ import pytest
 
 from titan_dualpipe import placement
 from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
-from titan_dualpipe.sim.profile import costs_from
+from titan_dualpipe._compat import TORCH_VERSION
+from titan_dualpipe.sim.profile import _liveness_line, costs_from
 from titan_dualpipe.sim.timeline import TimedAction
 
 
@@ -62,6 +63,16 @@ def test_profile_command_measures_a_real_run(tmp_path, capsys):
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == {0, 1}
     assert sum(e["name"].count("&") for e in events) >= 1  # overlapped pairs were recorded
+    liveness = result["activation_liveness"]  # DualPipe pp 2 n 4: 3 live stage-microbatches per rank
+    assert liveness == {"ours": [3, 3], "torch": [3, 3] if TORCH_VERSION >= (2, 15) else None}
+    assert result["activation_memory"]["simulated_peak_stage_microbatches"] == liveness["ours"]
+
+
+def test_liveness_line_sets_ours_next_to_torchs():
+    assert _liveness_line({"ours": [5, 5], "torch": [5, 5]}).endswith(
+        "ours 5, 5; torch's liveness analysis 5, 5 (equal)")
+    assert _liveness_line({"ours": [5, 4], "torch": [5, 5]}).endswith("(differ at ranks [1])")
+    assert _liveness_line({"ours": [5, 5], "torch": None}).endswith("torch's liveness: n/a before torch 2.15")
 
 
 @pytest.mark.parametrize("schedule,pp,n,ac", [("DualPipeV", 2, 8, "none"), ("DualPipe", 2, 8, "none"),

@@ -9,7 +9,8 @@ import pytest
 
 import titan_dualpipe.cli as main_cli
 import titan_dualpipe.sim as sim_package
-from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
+from titan_dualpipe._compat import TORCH_VERSION
+from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action, torch_activation_slots
 from titan_dualpipe.orders import compute_order, placement
 from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import leaf_actions, lower
@@ -27,6 +28,10 @@ from titan_dualpipe.sim import (
 )
 from titan_dualpipe.sim.cli import compare
 from titan_dualpipe.sim.engine import peak_activations
+from titan_dualpipe.sim.memory import activation_counts
+
+TORCH_LIVENESS = TORCH_VERSION >= (2, 15)
+NO_TORCH_LIVENESS = "torch's analyze_pipeline_activation_liveness arrived in torch 2.15"
 
 
 def pairs_per_rank(pipe: Pipeline) -> list[int]:
@@ -164,6 +169,65 @@ def test_peak_activations_counts_pairs_and_split_backwards() -> None:
     # I keeps the activation alive until W
     assert peak_activations([f0, _Action(0, I, 0), f1, _Action(0, W, 0)]) == 2
     assert peak_activations([f0, _Action(0, B, 0), f1]) == 1
+
+
+@pytest.mark.parametrize("schedule,pp,n,peaks", [("DualPipeV", 2, 4, [5, 5]), ("DualPipe", 2, 4, [3, 3])])
+def test_activation_counts_match_the_peaks_counted_by_hand(schedule: str, pp: int, n: int, peaks: list[int]) -> None:
+    """Live stage-microbatches (+1 at F, -1 at B or W; a pair's F before its B), counted by hand:
+
+    DualPipeV pp 2 n 4, rank 0: 0F0 1, 0F1 2, 0F2 3, 3F0 4, 3I0 4, 3W0 3, 3F1 4, (0F3;3B1) 5 then 4,
+    (3F2;0B0) 5 then 4, 3B2 3, (3F3;0B1) 4 then 3, 3B3 2, 0I2 0W2 1, 0I3 0W3 0: peak 5.
+    Rank 1: 1F0 1, 2F0 2, 1F1 3, 2F1 4, 1F2 5, 2B0 4, then three pairs each 5 then 4: peak 5.
+    DualPipe pp 2 n 4, rank 0: 0F0 1, 3F2 2, 0F1 3, 3B2 2, (3F3;0B0) 3 then 2, 3B3 1, 0I1 0W1 0:
+    peak 3; rank 1 mirrors it (2F2, 1F0, 2F3, 1B0, (1F1;2B2), ...): peak 3.
+    torch's analysis (2.15+) gives the same; before 2.15 there is none (None)."""
+    counts = activation_counts(schedule, pp, n)
+    assert [ours for ours, _ in counts.values()] == peaks
+    theirs = [t for _, t in counts.values()]
+    assert theirs == (peaks if TORCH_LIVENESS else [None] * pp)
+
+
+LIVENESS_CASES = ([("DualPipeV", pp, n) for pp in (1, 2, 4, 8) for n in range(2 * pp, 2 * pp + 4)]
+                  + [("DualPipe", pp, n) for pp in (2, 4, 8) for n in range(2 * pp, 2 * pp + 8, 2)])
+
+
+@pytest.mark.skipif(not TORCH_LIVENESS, reason=NO_TORCH_LIVENESS)
+@pytest.mark.parametrize("schedule,pp,n", LIVENESS_CASES)
+def test_torch_liveness_analysis_counts_what_the_simulator_counts(schedule: str, pp: int, n: int) -> None:
+    """torch's ``num_slots`` == our peak on every rank. Both take a stage-microbatch live from its F
+    through its B or W (an I does not end it), an overlapped pair's F alongside its B (torch: one
+    inclusive position; ours: F counted before B frees); torch's greedy slot reuse by start is
+    optimal for intervals, so its slots are the most live at once. For DualPipe each stage's
+    microbatch ids are renumbered from 0 and torch is given n/2 (see the test below)."""
+    counts = activation_counts(schedule, pp, n)
+    assert all(ours == theirs for ours, theirs in counts.values()), counts
+    assert [ours for ours, _ in counts.values()] == [2 * pp + 1 if schedule == "DualPipeV" else pp + 1] * pp
+
+
+@pytest.mark.parametrize("schedule,pp,n", LIVENESS_CASES)
+def test_two_batch_freeing_at_input_leaves_the_order_peak(schedule: str, pp: int, n: int) -> None:
+    """With two-batch overlap a split microbatch whose backward runs whole at its I is freed there,
+    which torch's liveness rule (I never frees) does not model; the peak is the same either way,
+    so ``profile --two-batch``'s count still compares with torch's."""
+    from titan_dualpipe.sim.two_batch import freed_at_input, split_actions
+
+    order, place = compute_order(schedule, pp, n), placement(schedule, pp, n)
+    freed = freed_at_input(split_actions(order), place)
+    # it applies wherever some I is not a chain-first stage's (not DualPipeV pp 1, DualPipe pp 2)
+    assert bool(freed) == (pp > (2 if schedule == "DualPipe" else 1))
+    ours = [count for count, _ in activation_counts(schedule, pp, n).values()]
+    assert [peak_activations(order[r], freed) for r in order] == ours
+
+
+@pytest.mark.skipif(not TORCH_LIVENESS, reason=NO_TORCH_LIVENESS)
+def test_torch_liveness_analysis_needs_every_stage_to_run_microbatches_from_zero() -> None:
+    """DualPipe's direction-1 stages run microbatches n/2 .. n-1: torch refuses that order as it is,
+    hence the renumbering in :func:`titan_dualpipe.sim.memory.order_activation_counts`."""
+    place, order = placement("DualPipe", 2, 4), compute_order("DualPipe", 2, 4)
+    with pytest.raises(ValueError, match="microbatch outside"):
+        torch_activation_slots(order[0], 2, 0, place.stages_of(0))
+    with pytest.raises(ValueError, match="do not match tracked activations"):
+        torch_activation_slots(order[0], 4, 0, place.stages_of(0))
 
 
 # ---- costs ----------------------------------------------------------------------------------

@@ -18,14 +18,16 @@ What differs across the range, and what we do about it:
   forward's state in ``_forward_chunk_states`` (was ``fwd_cache``) and may drop sent outputs
   (``release_fwd_send_outputs``), the FSDP lowering takes an ``unshard_lookahead``:
   :func:`add_reduce_grad`, :func:`forward_states`, :func:`release_sent_outputs`,
-  :func:`add_unshard_reshard` serve every release.
+  :func:`add_unshard_reshard` serve every release. 2.15 also added an activation-liveness
+  analysis of a schedule's order, which :func:`torch_activation_slots` calls (None before).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -60,6 +62,11 @@ try:  # 2.13+
     from torch.distributed.pipelining.schedules import _defer_recv_ops as TORCH_DEFER_RECV_OPS
 except ImportError:  # torch has no receive deferral before 2.13
     TORCH_DEFER_RECV_OPS = None
+
+try:  # 2.15+
+    from torch.distributed.pipelining.schedules import analyze_pipeline_activation_liveness
+except ImportError:  # no liveness analysis before 2.15
+    analyze_pipeline_activation_liveness = None
 
 HAS_METADATA_VOTE: bool = InferenceMode is not None
 
@@ -200,6 +207,30 @@ def reduce_grad_actions(stage_index: int) -> list[_Action]:
     return actions
 
 
+def torch_activation_slots(order_of_rank: list, n_microbatches: int, rank: int,
+                           stages: Sequence[int]) -> int | None:
+    """torch's count of activations live at once on ``rank`` running ``order_of_rank``: the
+    ``num_slots`` of 2.15's ``analyze_pipeline_activation_liveness`` at granularity
+    ``"stage_microbatch"``; None before 2.15, where torch has no such analysis. Read against 2.15.0.
+
+    torch's analysis takes a schedule instance and reads ``pipeline_order[rank]`` (a
+    ``_PipelineScheduleRuntime``'s ``pipeline_order_with_comms``) and ``_n_microbatches``; here a
+    stand-in holding just those two stands for the schedule, so any order can be analysed
+    without building stages. Each ``(stage, microbatch)`` activation lives from its F to its B,
+    or to its W where the backward is split (an I does not end it), both positions inclusive,
+    the parts of an overlapped pair sharing one position; slots are reused greedily by start,
+    so ``num_slots`` is the most intervals overlapping at one position. torch requires every
+    stage in ``stages`` to run each microbatch ``0 .. n_microbatches - 1`` exactly once on
+    ``rank`` (ValueError otherwise): renumber an order whose stages run other microbatch ids
+    (DualPipe's second direction) before calling."""
+    if analyze_pipeline_activation_liveness is None:
+        return None
+    stand_in = SimpleNamespace(pipeline_order={rank: order_of_rank}, _n_microbatches=n_microbatches)
+    liveness = analyze_pipeline_activation_liveness(stand_in, pp_rank=rank, stage_indices=tuple(stages),
+                                                    granularity="stage_microbatch")
+    return liveness.num_slots
+
+
 __all__ = [
     "ASYNC_REDUCE_GRAD",
     "B",
@@ -252,4 +283,5 @@ __all__ = [
     "stage_backward_input",
     "stage_backward_replaced",
     "stage_backward_weight",
+    "torch_activation_slots",
 ]

@@ -10,6 +10,9 @@ activation, the backward that ends it frees it: B, or W after an I, or I where t
 runs whole there; a pair's forward allocates before its backward frees), weighted by each
 stage's measured bytes per microbatch. With deferred weight GEMMs an I frees the activation
 and holds its GEMMs' operands until the W; the meter counts those too (:meth:`ActivationMeter.hold`).
+
+:func:`activation_counts` sets the rule's count (1 per stage-microbatch) next to torch's own
+liveness analysis of the same order (2.15+, :func:`~titan_dualpipe._compat.pipelining.torch_activation_slots`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .._compat.pipelining import B, F, I, W, _Action
+from .._compat.pipelining import B, F, I, W, _Action, torch_activation_slots
+from ..orders import Placement, compute_order, placement
 from ..orders.lowering import leaf_actions
 
 
@@ -125,3 +129,37 @@ def _frees(leaf: _Action, freed_at_input: Collection[tuple[int, int]]) -> bool:
     kind = leaf.computation_type
     at_input = (leaf.stage_index, leaf.microbatch_index) in freed_at_input
     return kind == B or (kind == I if at_input else kind == W)
+
+
+def activation_counts(schedule: str, pp: int, n: int) -> dict[int, tuple[int, int | None]]:
+    """Per rank of ``schedule``'s order at ``pp`` ranks and ``n`` microbatches: (the most
+    stage-microbatch activations live at once by :func:`peak_activation_bytes`, torch's
+    ``num_slots`` for the same order, or None before torch 2.15)."""
+    return order_activation_counts(compute_order(schedule, pp, n), placement(schedule, pp, n))
+
+
+def order_activation_counts(order: dict[int, list[_Action | None]],
+                            place: Placement) -> dict[int, tuple[int, int | None]]:
+    """:func:`activation_counts` of a given ``order`` of ``place``'s stages.
+
+    torch's analysis expects each stage to run microbatches ``0 .. m-1``; DualPipe's stages run
+    ``n/2`` microbatches each (direction 1 the ids ``n/2 .. n-1``), so each stage's ids are
+    shifted to start at 0 and torch is given ``m = n/2``; DualPipeV passes unchanged."""
+    counts = {}
+    for rank, actions in sorted(order.items()):
+        stages = place.stages_of(rank)
+        ours = int(peak_activation_bytes(actions, dict.fromkeys(stages, 1.0)))
+        first = {stage: place.microbatches(stage).start for stage in stages}
+        renumbered = [None if a is None else _renumbered(a, first) for a in actions]
+        counts[rank] = (ours, torch_activation_slots(renumbered, place.microbatches_per_stage(), rank, stages))
+    return counts
+
+
+def _renumbered(action: _Action, first: dict[int, int]) -> _Action:
+    """``action`` (an overlapped pair's parts too) with each stage's microbatch ids counted
+    from ``first[stage]``."""
+    if action.sub_actions is not None:
+        return action._replace(sub_actions=tuple(_renumbered(a, first) for a in action.sub_actions))
+    if action.microbatch_index is None:
+        return action
+    return action._replace(microbatch_index=action.microbatch_index - first[action.stage_index])

@@ -8,7 +8,9 @@ Runs our schedule on ``pp`` local CPU processes with a TinyLM stage module and
 - measures each rank's peak activation memory (bytes autograd saved for backward,
   :class:`~titan_dualpipe.sim.memory.ActivationMeter`) over the last step and sets it next to
   the simulator's prediction: its live-activation count over the order, each stage-microbatch
-  weighing what one forward of that stage saves.
+  weighing what one forward of that stage saves; and cross-checks the count against torch's own
+  liveness analysis of the same order (torch 2.15+, ``analyze_pipeline_activation_liveness``,
+  :func:`~titan_dualpipe.sim.memory.order_activation_counts`).
 
 ``--compile`` compiles every TinyLM block in place first (``block.compile(backend=...)``, as
 torchtitan does). Our runtime runs a compiled stage's backward whole at its I and makes its W a
@@ -55,7 +57,7 @@ from .costs import Costs
 from .._compat.pipelining import F
 from ..orders.dataflow import Chains
 from .engine import peak_activations, simulate
-from .memory import ActivationMeter, peak_activation_bytes
+from .memory import ActivationMeter, order_activation_counts, peak_activation_bytes
 from .schedules import pipeline_for
 from .timeline import TimedAction, action_kind, draw_timeline, write_trace
 from .two_batch import freed_at_input, runs_backward, split_actions
@@ -277,6 +279,13 @@ def activation_memory(measured: dict, freed: Collection[tuple[int, int]] = ()) -
             "measured_over_simulated": [m / s if s else None for m, s in zip(measured_peak, simulated)]}
 
 
+def _liveness(counts: dict[int, tuple[int, int | None]]) -> dict:
+    """Per rank, ours and torch's count of live stage-microbatches (torch's None before 2.15)."""
+    ours = [o for o, _ in counts.values()]
+    theirs = [t for _, t in counts.values()]
+    return {"ours": ours, "torch": None if None in theirs else theirs}
+
+
 def costs_from(timeline: list[TimedAction], place: Chains,
                split_samples: list[tuple[float, float]] | None = None, whole_stages: Collection[int] = ()) -> Costs:
     """Median duration of each action kind; a missing kind is derived from the others.
@@ -406,6 +415,18 @@ def _print_result(result: dict, costs: Costs) -> None:
     rows = zip(memory["measured_peak_bytes"], memory["simulated_peak_bytes"], memory["simulated_peak_stage_microbatches"])
     for rank, (m, p, count) in enumerate(rows):
         print(f"{rank:>4}  {m / 2**20:>13.2f}  {p / 2**20:>9.2f}  {m / p if p else float('nan'):>18.3f}  {count:>12}")
+    print(_liveness_line(result["activation_liveness"]))
+
+
+def _liveness_line(liveness: dict) -> str:
+    """One line: per rank, our count of live stage-microbatches over the order and torch's."""
+    ours, theirs = liveness["ours"], liveness["torch"]
+    line = "live stage-microbatches at the order's peak, per rank: ours " + ", ".join(map(str, ours))
+    if theirs is None:
+        return line + "; torch's liveness: n/a before torch 2.15"
+    differ = [rank for rank, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    return (line + "; torch's liveness analysis " + ", ".join(map(str, theirs))
+            + (f" (differ at ranks {differ})" if differ else " (equal)"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -431,7 +452,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"costs_s": costs.as_dict(), "ac": cfg["ac"], "two_batch": cfg["two_batch"],
               "measured_step_s": measured["step_time"],
               "simulated_step_s": simulated.makespan, "simulated_bubble_ratio": simulated.bubble_ratio,
-              "activation_memory": activation_memory(measured, freed_at_input(split, place))}
+              "activation_memory": activation_memory(measured, freed_at_input(split, place)),
+              "activation_liveness": _liveness(order_activation_counts(measured["order"], place))}
     if cfg["compile"]:
         result["compiled"] = compiled_summary(measured, place, pipe, costs)
     else:  # the same costs with each backward whole at I (W = 0): what deferring the weight GEMMs gains
@@ -445,4 +467,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_result(result, costs)
+        print(f"wrote {args.output}" if args.output else "no picture drawn: -o FILE (.png, .svg, .pdf) draws the measured timeline")
     return 0
