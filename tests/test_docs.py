@@ -44,7 +44,7 @@ SPAN = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
 PLACEHOLDER = re.compile(r"[\[\]<>|]|\.\.\.|…|^[A-Z][A-Z0-9_]*$")
-REPO_TOP = {"titan_dualpipe", "tests", "train_configs", "docs", "benchmarks", ".ci"}
+REPO_TOP = {"titan_dualpipe", "tests", "train_configs", "docs", "benchmarks", ".ci", "examples"}
 SUBPACKAGES = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
 
 

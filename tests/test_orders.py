@@ -147,9 +147,10 @@ def test_overlapped_pairs_survive_csv():
 
 
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
-def test_cli_writes_csv(tmp_path, fmt):
+def test_cli_writes_csv(tmp_path, fmt, capsys):
     out = tmp_path / "order.csv"
     assert cli_main(["csv", "--schedule", "DualPipe", "--pp", "4", "--microbatches", "8", "--format", fmt, "-o", str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
     place = placement("DualPipe", 4, 8)
     expected = compute_order("DualPipe", 4, 8)
     if fmt == "compute_comms":
@@ -160,6 +161,27 @@ def test_cli_writes_csv(tmp_path, fmt):
 def test_cli_reports_bad_values(capsys):
     assert cli_main(["csv", "--schedule", "DualPipe", "--pp", "3", "--microbatches", "6"]) == 2
     assert "even pipeline size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,named", [(("DualPipe", 3, 6), "even pipeline size"),
+                                        (("DualPipe", 2, 5), "even number of microbatches"),
+                                        (("DualPipeV", 2, 3), "n_microbatches >= 2 \\* pp_size"),
+                                        (("GPipe", 2, 4), "Unknown schedule"),
+                                        (("DualPipeV", 0, 4), "pipeline size >= 1")])
+def test_placement_raises_the_schedules_config_error(args, named):
+    """placement() and compute_order() raise what the schedules raise (docs/schedules.md#errors): a
+    PipelineConfigError, itself a ValueError and a RuntimeError."""
+    from titan_dualpipe import PipelineConfigError
+    from titan_dualpipe.runtime.errors import PipelineConfigError as runtime_error
+
+    assert runtime_error is PipelineConfigError and issubclass(PipelineConfigError, (ValueError, RuntimeError))
+    for call in (placement, compute_order):
+        with pytest.raises(PipelineConfigError, match=named):
+            call(*args)
+    place = placement("DualPipe", 2, 4)
+    for query, bad in ((place.stages_of, 2), (place.rank_of, 4), (place.model_part, -1)):
+        with pytest.raises(PipelineConfigError, match="outside"):
+            query(bad)
 
 
 @pytest.mark.parametrize("schedule,pp,feeding", [("DualPipeV", 1, [0]), ("DualPipeV", 4, [0]), ("DualPipe", 2, [0, 1]), ("DualPipe", 6, [0, 5])])

@@ -1688,8 +1688,10 @@ def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
     assert matrix.compare({0: {1: (8.0, 2.0)}}, reference, steps=2, rel=1e-4) == "rank 0 logged steps [1]"
     table = matrix.markdown([matrix.Outcome("tp DualPipe (exchanged twins)", "0.2.2", True, "OK (worst rel 1e-05)")])
     assert "| tp | DualPipe (exchanged twins) | 0.2.2 | tested on CPU: OK" in table and "| cp |" in table
-    log = ("[rank0]: ...; 12 weight GEMMs per microbatch wait for W (deferred weight gradients)\n"
-           "[rank1]: ...; 16 weight GEMMs per microbatch wait for W (deferred weight gradients)\n")
+    log = ("[rank0]: ...; on this rank 12 weight GEMMs per microbatch wait for W (stage 0: 6, stage 3: 6; deferred "
+           "weight gradients)\n"
+           "[rank1]: ...; on this rank 16 weight GEMMs per microbatch wait for W (stage 1: 8, stage 2: 8; deferred "
+           "weight gradients)\n")
     assert matrix._weight_gradients(log) == "; deferred W: up to 16 weight GEMMs per microbatch on a rank"
     assert matrix._weight_gradients("...; weight gradients: whole\n") == "; weight gradients: whole"
     assert matrix._weight_gradients("no note") == ""
@@ -1697,6 +1699,21 @@ def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
         FOLD_ENV: "0"}
     assert matrix._twins_args(matrix.Cell(matrix.LAYOUTS[0], "DualPipe", "folded"), registry=True)[0] == (
         "--parallelism.spmd_backend", "partial_dtensor")
+
+
+def test_deferred_gemm_count_in_the_log_is_this_ranks_per_stage() -> None:
+    """Every rank logs its own line: the count is this rank's, its stages named one by one."""
+    from types import SimpleNamespace
+
+    from titan_dualpipe.check import matrix
+    from titan_dualpipe.titan.pipeline import _weight_gradients_note
+
+    schedule = SimpleNamespace(weight_gradients="deferred", deferred_weights={3: ["a", "b"], 0: ["c", "d", "e", "f"]})
+    note = _weight_gradients_note(schedule)
+    assert note == ("; on this rank 6 weight GEMMs per microbatch wait for W (stage 0: 4, stage 3: 2; deferred "
+                    "weight gradients)")
+    assert matrix._weight_gradients(note) == "; deferred W: up to 6 weight GEMMs per microbatch on a rank"
+    assert _weight_gradients_note(SimpleNamespace(weight_gradients="whole")) == "; weight gradients: whole"
 
 
 def test_twins_are_not_folded_under_context_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,3 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"titan-dualpipe {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a file named on the command line: missing, a directory, not writable
+        if err.filename is None:
+            raise
+        print(f"titan-dualpipe {args.command}: error: {err.filename}: {err.strerror or err}", file=sys.stderr)
+        return 2

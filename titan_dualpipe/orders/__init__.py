@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .._compat.pipelining import _Action
+from .errors import PipelineConfigError
 from .placement import SCHEDULES, Placement, canonical_name, check_requirements, placement
 from .recipe import PhaseOp, recipe, to_actions
 
@@ -28,7 +29,7 @@ def compute_order(schedule: str, pp_size: int, n_microbatches: int) -> dict[int,
 
     Returns ``{rank: [action, ...]}`` in torch's ``_Action`` IR (F, I, W, B and
     ``OVERLAP_F_B`` pairs); stage ids follow :mod:`titan_dualpipe.orders.placement`.
-    Raises ValueError when the schedule cannot run with these values.
+    Raises :class:`PipelineConfigError` (a ``ValueError``) when the schedule cannot run with these values.
     """
     place = placement(schedule, pp_size, n_microbatches)
     return {rank: _rank_order(place, rank) for rank in range(pp_size)}
@@ -53,6 +54,7 @@ def identify_order(order: dict[int, list[_Action | None]]) -> tuple[str, int, in
 
 
 __all__ = [
+    "PipelineConfigError",
     "SCHEDULES",
     "Placement",
     "PhaseOp",

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w", newline="") as f:
             write_csv(order, f)
+        print(f"wrote {args.output}")
     else:
         write_csv(order, sys.stdout)
     return 0

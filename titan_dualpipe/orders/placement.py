@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dataflow import Chains
+from .errors import PipelineConfigError
 
 SCHEDULES = ("DualPipeV", "DualPipe")
 
@@ -24,7 +25,7 @@ def canonical_name(schedule: str) -> str:
     for name in SCHEDULES:
         if name.lower() == str(schedule).lower():
             return name
-    raise ValueError(
+    raise PipelineConfigError(
         f"Unknown schedule {schedule!r}: titan_dualpipe provides {', '.join(SCHEDULES)} "
         "(names are case-insensitive)."
     )
@@ -60,7 +61,7 @@ class Placement(Chains):
     def stages_of(self, rank: int) -> tuple[int, int]:
         """The two stages of ``rank``, direction-0 (or V's first leg) stage first."""
         if not 0 <= rank < self.pp_size:
-            raise ValueError(f"rank {rank} is outside the pipeline of {self.pp_size} ranks")
+            raise PipelineConfigError(f"rank {rank} is outside the pipeline of {self.pp_size} ranks")
         return rank, self.num_stages - 1 - rank
 
     def feeds_batch(self, rank: int) -> bool:
@@ -91,32 +92,33 @@ class Placement(Chains):
 
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.num_stages:
-            raise ValueError(
+            raise PipelineConfigError(
                 f"stage {stage} is outside 0..{self.num_stages - 1} ({self.schedule}, pp={self.pp_size})"
             )
 
 
 def check_requirements(schedule: str, pp_size: int, n_microbatches: int) -> str:
-    """Raise ValueError naming the values and the fix if (schedule, pp, n) cannot run."""
+    """Raise :class:`PipelineConfigError` (a ``ValueError``) naming the values and the fix if (schedule, pp, n)
+    cannot run."""
     name = canonical_name(schedule)
     if not isinstance(pp_size, int) or pp_size < 1:
-        raise ValueError(f"{name} needs a pipeline size >= 1, got pp_size={pp_size!r}.")
+        raise PipelineConfigError(f"{name} needs a pipeline size >= 1, got pp_size={pp_size!r}.")
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"{name} needs n_microbatches >= 1, got {n_microbatches!r}.")
+        raise PipelineConfigError(f"{name} needs n_microbatches >= 1, got {n_microbatches!r}.")
     if name == "DualPipe":
         if pp_size % 2:
             even = f"{pp_size - 1} or {pp_size + 1}" if pp_size > 1 else "2"
-            raise ValueError(
+            raise PipelineConfigError(
                 f"DualPipe needs an even pipeline size, got pp_size={pp_size}: use an even pp ({even}) or "
                 "DualPipeV, which takes any pp."
             )
         if n_microbatches % 2:
-            raise ValueError(
+            raise PipelineConfigError(
                 f"DualPipe needs an even number of microbatches (half enter at each end), got "
                 f"n_microbatches={n_microbatches}: use {n_microbatches + 1}."
             )
     if n_microbatches < 2 * pp_size:
-        raise ValueError(
+        raise PipelineConfigError(
             f"{name} needs n_microbatches >= 2 * pp_size, got n_microbatches={n_microbatches} "
             f"with pp_size={pp_size}: use at least {2 * pp_size} microbatches or a smaller pp."
         )
@@ -124,6 +126,7 @@ def check_requirements(schedule: str, pp_size: int, n_microbatches: int) -> str:
 
 
 def placement(schedule: str, pp_size: int, n_microbatches: int) -> Placement:
-    """Validated placement for ``schedule`` on ``pp_size`` ranks."""
+    """Validated placement for ``schedule`` on ``pp_size`` ranks with ``n_microbatches`` microbatches per
+    step (they decide which microbatches each stage runs); :class:`PipelineConfigError` if they cannot run."""
     name = check_requirements(schedule, pp_size, n_microbatches)
     return Placement(name, pp_size, n_microbatches)

@@ -1,12 +1,8 @@
-"""The one exception class for a schedule that cannot run as configured."""
+"""The one exception class for a schedule that cannot run as configured (defined in
+:mod:`titan_dualpipe.orders.errors`, so that ``placement()`` raises it too)."""
 
 from __future__ import annotations
 
+from ..orders.errors import PipelineConfigError
 
-class PipelineConfigError(ValueError, RuntimeError):
-    """Stages, microbatch counts, placements or ``step()`` inputs that cannot work, raised on every
-    rank before any pipeline traffic.
-
-    A ``ValueError`` (what this package documents) and a ``RuntimeError`` (what torch's pipelining
-    schedules raise for configurations they refuse), so code written for either catches it.
-    """
+__all__ = ["PipelineConfigError"]

@@ -467,5 +467,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_result(result, costs)
-        print(f"wrote {args.output}" if args.output else "no picture drawn: -o FILE (.png, .svg, .pdf) draws the measured timeline")
+        print(f"wrote {args.output}" if args.output
+              else "no picture drawn: -o FILE (.png, .svg, .pdf) draws the measured timeline")
     return 0

@@ -266,8 +266,11 @@ def _weight_gradients_note(schedule: Any) -> str:
 
     if schedule.weight_gradients not in DEFERRING_MODES:
         return f"; weight gradients: {schedule.weight_gradients}"
-    count = sum(len(names) for names in schedule.deferred_weights.values())
-    return f"; {count} weight GEMMs per microbatch wait for W (deferred weight gradients)"
+    # per rank: this rank's stages only (every rank logs its own line), each stage's count named
+    per_stage = {stage: len(names) for stage, names in sorted(schedule.deferred_weights.items())}
+    stages = ", ".join(f"stage {stage}: {count}" for stage, count in per_stage.items())
+    return (f"; on this rank {sum(per_stage.values())} weight GEMMs per microbatch wait for W "
+            f"({stages}; deferred weight gradients)")
 
 
 def two_batch_option() -> bool:
