@@ -1557,9 +1557,12 @@ def test_untested_torchtitan_is_refused_by_name() -> None:
     assert TORCHTITAN_VERSION == TORCHTITAN in ("0.2.2", "0.3.0")
     with pytest.raises(ImportError, match=r"supports torchtitan 0.2.2 and 0.3.0; found torchtitan 0.1.0"):
         check_torchtitan_version("0.1.0")
-    with pytest.raises(ImportError, match=r"tested with torchtitan 0.3.0 on torch 2.14; found torch 2.13.0"):
+    with pytest.raises(ImportError, match=r"tested with torchtitan 0.3.0 on torch 2.14 to 2.15; found torch 2.13.0"):
         check_torchtitan_version("0.3.0", torch="2.13.0+cpu")
+    with pytest.raises(ImportError, match=r"tested with torchtitan 0.2.2 on torch 2.11 to 2.14; found torch 2.15.0"):
+        check_torchtitan_version("0.2.2", torch="2.15.0")
     assert check_torchtitan_version("0.2.2", torch="2.11.0") == "0.2.2"
+    assert check_torchtitan_version("0.3.0", torch="2.15.0+cu132") == "0.3.0"
 
 
 def test_bench_titan_checks_its_options_and_summarizes_ranks() -> None:
