@@ -16,6 +16,7 @@ import pytest
 AGNOSTIC_MODULES = {
     "test_sim.py",  # the simulator and its pictures: pure Python over our orders
     "test_docs.py",  # docs, command-line parsers, links, pictures
+    "test_cli.py",  # the command line's messages for missing files and pictures
     "test_dist_pool.py",  # the test pool's own failure reporting
     "test_gpu_kit.py",  # the kit's parts, parsers and report (subprocesses stubbed)
     "test_device_timing.py",  # timing with stub clocks

@@ -431,12 +431,7 @@ def test_pipeline_schedule_runtime_custom_sched(pool):
     _trained(ran(pool.run(cases.runtime_custom_sched)), 4, "DualPipeV")
 
 
-@pytest.mark.parametrize("schedule", [
-    "DualPipeV",
-    pytest.param("DualPipe", marks=pytest.mark.xfail(strict=True, reason=(
-        "DualPipe adds the twin's whole .grad at each step: gradients accumulated over steps without "
-        "zeroing count the earlier steps twice (docs/schedules.md#torchs-own-schedule-tests)"))),
-])
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
 def test_schedule_with_native_zero_bubble(pool, schedule):
     r = ran(pool.run(cases.native_zero_bubble, schedule=schedule, pp=2, n=4))
     assert sum(x["weight_actions"] for x in r) > 0, r

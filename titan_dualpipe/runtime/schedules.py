@@ -47,7 +47,7 @@ from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, compiled_hooks_problem, install, routed_to,
                                uninstall, weight_gradients_problem)
-from .twins import copy_to_twin, folded_into_fsdp, prepare_folded, sum_twin_grads
+from .twins import copy_to_twin, folded_into_fsdp, grads_before_step, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, data_parallel_problem, microbatch_signature,
                          runtime_options_problem,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
@@ -551,6 +551,7 @@ class ScheduleDualPipe(_DualPipeFamily):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._twins_synced = False
+        self._grads_before: dict[int, torch.Tensor] = {}  # a step's gradients on entry (accumulated earlier)
         for stage in self._stages:
             if not isinstance(stage, (PipelineStage, TracedPipelineStage)):
                 raise PipelineConfigError(
@@ -598,11 +599,18 @@ class ScheduleDualPipe(_DualPipeFamily):
     def _before_first_step(self) -> None:
         if not self._twins_synced:
             self.sync_twin_weights()
+        self._grads_before = grads_before_step(self._parts()) if self._sums_twin_grads() else {}
 
     def _after_step(self, executor: StepExecutor) -> None:
-        if self._has_backward and not self.fsdp_at_step_edges:  # folded: FSDP's reduction summed them
-            parts = {self.placement.model_part(s.stage_index): s.submod for s in self._stages}
-            sum_twin_grads(parts, self._twin_peer(), self._group)
+        if self._sums_twin_grads():
+            sum_twin_grads(self._parts(), self._twin_peer(), self._group, self._grads_before)
+        self._grads_before = {}
+
+    def _sums_twin_grads(self) -> bool:
+        return self._has_backward and not self.fsdp_at_step_edges  # folded: FSDP's reduction sums them
+
+    def _parts(self) -> dict[int, torch.nn.Module]:
+        return {self.placement.model_part(s.stage_index): s.submod for s in self._stages}
 
     def _gather_losses(self, executor: StepExecutor) -> dict[int, torch.Tensor]:
         """Ranks 0 and pp-1 each computed half of the losses; swap halves."""

@@ -93,16 +93,27 @@ def _params_by_part(modules_by_part: dict[int, nn.Module]) -> list[nn.Parameter]
     return list(unique.values())
 
 
+def grads_before_step(modules_by_part: dict[int, nn.Module]) -> dict[int, torch.Tensor]:
+    """Copies of the gradients the parameters hold before a step (accumulated over earlier steps
+    without zeroing, by parameter id): :func:`sum_twin_grads` then exchanges only the step's own."""
+    return {id(p): local_tensor(p.grad).clone() for p in _params_by_part(modules_by_part)
+            if p.requires_grad and p.grad is not None}
+
+
 def sum_twin_grads(
-    modules_by_part: dict[int, nn.Module], peer: int, group: dist.ProcessGroup | None
+    modules_by_part: dict[int, nn.Module], peer: int, group: dist.ProcessGroup | None,
+    before: dict[int, torch.Tensor] | None = None,
 ) -> None:
-    """Add the twin rank's gradients to ours (missing grads count as zero)."""
+    """Add the twin rank's gradients of this step to ours (missing grads count as zero); ``before``
+    (:func:`grads_before_step`): what each gradient held before the step, which the twin has too."""
+    before = before or {}
     params = [p for p in _params_by_part(modules_by_part) if p.requires_grad]
     grads = [
         local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.detach()))
         for p in params
     ]
-    for p, grad, theirs in zip(params, grads, _exchange(grads, grads, peer, group)):
+    this_step = [grad - before[id(p)] if id(p) in before else grad for p, grad in zip(params, grads)]
+    for p, grad, theirs in zip(params, grads, _exchange(this_step, grads, peer, group)):
         grad.add_(theirs)
         if p.grad is None:
             p.grad = with_layout_of(p, grad)  # a DTensor parameter's grad has its layout

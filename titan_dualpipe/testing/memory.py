@@ -25,14 +25,23 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
+                key = _storage_key(t)
                 if key and key not in self._held and key not in inputs:
+                    storage = t.untyped_storage()
                     self._held.add(key)
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(storage, self._release, key, storage.nbytes())
         return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 for a tensor with none of its own (a wrapper subclass,
+    such as a functional collective's result, whose data lives in the tensor it wraps)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # "invalid python storage"
+        return 0
