@@ -77,13 +77,15 @@ def test_the_reduce_grad_wait_follows_this_torch():
 
 def test_our_start_up_runs_on_this_torch(pool):
     """torch's stage initialisation calls our start-up under this torch's name for it (2.15:
-    ``_initialize_pipeline_distributed_state``, before: ``_warmup_p2p``): the pair communicators
+    ``_initialize_pipeline_distributed_state``, 2.12-2.14: ``_warmup_p2p``): the pair communicators
     are created once, before the first action, over two steps and an eval (whose mode switch
     runs it again, without connecting, on 2.15)."""
     for schedule, pp, n in (("DualPipeV", 2, 4), ("DualPipe", 4, 8)):
         calls = [c for c in pool.run(cases.start_up_calls, schedule=schedule, pp=pp, n=n) if c is not None]
         assert len(calls) == pp
-        assert all(c["connect"] == 1 for c in calls), calls
+        # 2.11 has no start-up exchange (shapes flow by a p2p exchange; its batches use the group's
+        # communicator, so no pair communicators to create)
+        assert all(c["connect"] == (1 if pipelining.HAS_METADATA_VOTE else 0) for c in calls), calls
 
 
 def test_torch_deferred_recvs_mismatch_v_messages_ours_do_not():
