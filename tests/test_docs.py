@@ -575,11 +575,21 @@ def imported_modules(path: Path) -> set[Path]:
     return found
 
 
-def test_executor_and_two_batch_runner_import_one_way() -> None:
-    """executor.py looks the two-batch runner up in runtime/two_batch.py, which never imports it back."""
-    executor, two_batch = PACKAGE / "runtime" / "executor.py", PACKAGE / "runtime" / "two_batch.py"
-    assert two_batch in imported_modules(executor)
-    assert executor not in imported_modules(two_batch)
+def test_runners_are_carried_by_the_exported_schedules() -> None:
+    """The overlap runners reach the runtime only through the schedule classes
+    overlap/schedules.py defines, which the package exports; runtime/two_batch.py imports
+    neither the executor nor the schedules that read its runner."""
+    runtime = PACKAGE / "runtime"
+    assert not {runtime / "executor.py", runtime / "schedules.py"} & imported_modules(runtime / "two_batch.py")
+    import titan_dualpipe
+    from titan_dualpipe.overlap.pair import run_pair_overlapped
+    from titan_dualpipe.overlap.two_batch import TwoBatchRunner
+    from titan_dualpipe.runtime import schedules
+    for name in ("ScheduleDualPipeV", "ScheduleDualPipe"):
+        exported = getattr(titan_dualpipe, name)
+        assert issubclass(exported, getattr(schedules, name))
+        assert exported.overlapped_pair_runner is run_pair_overlapped and exported.halves_runner is TwoBatchRunner
+        assert getattr(schedules, name).overlapped_pair_runner is None
 
 
 def test_switches_load_without_torch() -> None:

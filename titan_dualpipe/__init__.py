@@ -6,8 +6,8 @@
 """
 
 from .orders import SCHEDULES, compute_order, placement
-from .runtime import PipelineConfigError, ScheduleDualPipe, ScheduleDualPipeV, TimedAction
-from . import overlap  # noqa: E402,F401 - registers the overlapped pair runner with the runtime
+from .runtime import PipelineConfigError, TimedAction
+from .overlap.schedules import ScheduleDualPipe, ScheduleDualPipeV  # the runtime's, with the overlap runners
 
 __all__ = ["PipelineConfigError", "SCHEDULES", "ScheduleDualPipe", "ScheduleDualPipeV", "TimedAction", "compute_order", "placement"]
 __version__ = "0.1.0"

@@ -9,8 +9,9 @@
 - :func:`~titan_dualpipe.runtime.pairs.run_pair_sequentially`: the forward, then the
   backward, sends after both (``overlap=False``; for debugging and comparison).
 
-Both run the same computations on the same data, so their results are bitwise equal. Importing
-this module registers :func:`run_pair_overlapped` with the runtime (``runtime.pairs``).
+Both run the same computations on the same data, so their results are bitwise equal. The
+schedules the package exports (:mod:`.schedules`) carry :func:`run_pair_overlapped` as their
+``overlapped_pair_runner``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 from .._compat.autograd import module_forward_replaced
 from .._compat.pipelining import SEND_F, _Action, input_grads, stage_backward_replaced
 from ..runtime.executor import StepExecutor
-from ..runtime.pairs import register_overlapped
 from .comm import warn_once_if_exchange_traced
 from .protocol import overlap_implementation
 from .relay import run_relayed
@@ -82,6 +82,3 @@ def _differentiable(stage_output: Any, output_grads: Any) -> tuple[list, list | 
     kept = [(o, g) for o, g in zip(stage_output, output_grads)
             if o.requires_grad or o.grad_fn is not None]
     return [o for o, _ in kept], [g for _, g in kept]
-
-
-register_overlapped(run_pair_overlapped)

@@ -64,7 +64,6 @@ from .._compat.autograd import module_forward_replaced
 from .._compat.pipelining import _Action, input_grads, stage_backward_replaced
 from ..runtime.executor import StepExecutor
 from ..runtime.fsdp import gathered_for_both_halves
-from ..runtime.two_batch import register_halves_runner
 from .comm import warn_once_if_exchange_traced
 from .protocol import halves_implementation
 from .relay import run_relayed
@@ -228,9 +227,9 @@ def _relay_halves(halves: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
-class _Runner:
+class TwoBatchRunner:
+    """The :class:`~titan_dualpipe.runtime.two_batch.HalvesRunner` of the schedules the package
+    exports (:mod:`.schedules`)."""
+
     forward = staticmethod(run_forward_in_halves)
     backward = staticmethod(run_backward_in_halves)
-
-
-register_halves_runner(_Runner())

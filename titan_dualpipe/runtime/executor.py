@@ -69,7 +69,6 @@ from .in_flight import work_while_exchanges_fly
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
 from ..orders.two_batch import lone_forwards
-from .two_batch import halves_runner
 from .split_backward import SplitDecisions
 from .timeline import StepClock, TimedAction, clock_for, span_seconds
 
@@ -269,7 +268,7 @@ class StepExecutor:
         """A lone forward: on two halves of its microbatch where two-batch overlap is on."""
         key = (action.stage_index, action.microbatch_index)
         if key in self.two_batch:
-            self.timed(action, lambda: halves_runner().forward(self, action))
+            self.timed(action, lambda: self.schedule.halves_runner.forward(self, action))
             if not self.training:  # no backward will read the halves: keep neither them nor the joined output
                 self.halves.pop(key, None)
         else:
@@ -285,7 +284,7 @@ class StepExecutor:
         """``run``, with its backward on the two halves when the microbatch's forward ran in halves."""
         if (action.stage_index, action.microbatch_index) not in self.halves:
             return run
-        return lambda: halves_runner().backward(self, action, run)
+        return lambda: self.schedule.halves_runner.backward(self, action, run)
 
     def pair(self, action: _Action) -> None:
         """An overlapped pair: forward ``sub_actions[0]``, full backward ``sub_actions[1]``."""

@@ -4,8 +4,8 @@ A :class:`PairRunner` runs the forward action ``F`` of one microbatch and the fu
 action ``B`` of another on this rank, through the executor's ``run_forward`` / ``run_backward``
 (torch's stage bookkeeping, the receives they wait for). The runtime has
 :func:`run_pair_sequentially` (``overlap=False``); the overlapped runner is
-:func:`titan_dualpipe.overlap.pair.run_pair_overlapped`, which registers itself here when
-``titan_dualpipe.overlap`` is imported (``titan_dualpipe``'s ``__init__`` does), so the
+:func:`titan_dualpipe.overlap.pair.run_pair_overlapped`, which the schedules the package exports
+(:mod:`titan_dualpipe.overlap.schedules`) hand to the runtime's as a class attribute, so the
 dependencies run one way: orders -> runtime -> overlap.
 """
 
@@ -30,19 +30,11 @@ def run_pair_sequentially(executor: "StepExecutor", forward: _Action, backward: 
     executor.run_backward(backward)
 
 
-_overlapped: PairRunner | None = None
-
-
-def register_overlapped(runner: PairRunner) -> None:
-    """Set the runner ``overlap=True`` schedules use (called by :mod:`titan_dualpipe.overlap.pair`)."""
-    global _overlapped
-    _overlapped = runner
-
-
-def pair_runner(overlap: bool) -> PairRunner:
-    """The runner for a schedule's ``overlap`` setting."""
+def pair_runner(overlap: bool, overlapped: PairRunner | None) -> PairRunner:
+    """The runner for a schedule's ``overlap`` setting (``overlapped``: the schedule's overlapped runner)."""
     if not overlap:
         return run_pair_sequentially
-    if _overlapped is None:
-        raise RuntimeError("no overlapped pair runner registered: import titan_dualpipe (it imports titan_dualpipe.overlap)")
-    return _overlapped
+    if overlapped is None:
+        raise RuntimeError("this schedule class has no overlapped pair runner: use titan_dualpipe.ScheduleDualPipeV "
+                           "or titan_dualpipe.ScheduleDualPipe (titan_dualpipe.overlap.schedules), or overlap=False")
+    return overlapped

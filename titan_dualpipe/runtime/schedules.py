@@ -42,7 +42,7 @@ from .executor import StepExecutor
 from .failures import named_for_every_rank, record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
-from .two_batch import has_exchanges, two_batch_stages
+from .two_batch import HalvesRunner, has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .split_backward import whole_backward_reason
 from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, compiled_hooks_problem, install, routed_to,
@@ -101,6 +101,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     """
 
     schedule_name: ClassVar[str]
+    # the runners of overlapped pairs and of lone forwards in halves: the runtime has none (it never
+    # imports titan_dualpipe.overlap); the classes the package exports (overlap/schedules.py) set both
+    overlapped_pair_runner: ClassVar[PairRunner | None] = None
+    halves_runner: ClassVar[HalvesRunner | None] = None
 
     def __init__(
         self,
@@ -185,7 +189,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
-        self.pair_runner: PairRunner = pair_runner(overlap)
+        self.pair_runner: PairRunner = pair_runner(overlap, type(self).overlapped_pair_runner)
         self.two_batch_stages = split_stages
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()

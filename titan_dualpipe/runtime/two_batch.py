@@ -2,8 +2,8 @@
 
 A forward with no partner runs its microbatch as two halves, relayed like a pair
 (:mod:`titan_dualpipe.orders.two_batch` says which microbatches;
-:mod:`titan_dualpipe.overlap.two_batch` runs them and registers itself here, so the dependencies
-run one way: orders -> runtime -> overlap).
+:mod:`titan_dualpipe.overlap.two_batch` runs them; the schedules the package exports carry that
+runner as ``halves_runner``, so the dependencies run one way: orders -> runtime -> overlap).
 
 The schedule option ``two_batch_overlap``:
 
@@ -65,17 +65,3 @@ class HalvesRunner(Protocol):
     def backward(self, executor: Any, action: _Action, run: Callable[[], None]) -> None:
         """Run ``run`` (the B, I or W action of a microbatch whose forward ran in halves) with its
         backward on the two halves."""
-
-
-_runner: HalvesRunner | None = None
-
-
-def register_halves_runner(runner: HalvesRunner) -> None:
-    global _runner
-    _runner = runner
-
-
-def halves_runner() -> HalvesRunner:
-    if _runner is None:
-        raise RuntimeError("no two-batch runner registered: import titan_dualpipe (it imports titan_dualpipe.overlap)")
-    return _runner
