@@ -78,7 +78,7 @@ def test_torchtitan_pipelines_a_one_rank_v_over_a_group_of_one(world_of_one, mon
     the "pp" dimension a real process group (at degree 1 it is otherwise a placeholder, which
     ``get_mesh`` refuses); planned otherwise, they keep torchtitan's answers."""
     import titan_dualpipe.titan as adapter
-    from titan_dualpipe.titan.pipeline import ACTIVE
+    from titan_dualpipe.titan.active import ACTIVE
 
     job = _job_config("debug_dualpipev", *ONE_RANK)
     monkeypatch.setattr(ACTIVE, "plan", adapter.check_job_config(job, n_layers=6))
@@ -121,7 +121,7 @@ def test_one_rank_v_trains_through_our_schedule_as_the_unpipelined_model(tmp_pat
     plain = _train(tmp_path / "plain", "--parallelism.pipeline_parallel_schedule", "1F1B")
     assert "Using titan_dualpipe DualPipeV with 8 microbatches and 2 stages" in ANSI.sub("", ours)
     record = json.loads((tmp_path / "v" / "probe_rank0.json").read_text())
-    assert record["schedule_mro"][0] == "titan_dualpipe.runtime.schedules.ScheduleDualPipeV"
+    assert record["schedule_mro"][0] == "titan_dualpipe.overlap.schedules.ScheduleDualPipeV"
     assert set(record["stages"]) == {"0", "1"} and record["relayed"]["pairs"] > 0
     (v_steps,), (plain_steps,) = logged_steps(ours).values(), logged_steps(plain).values()
     assert sorted(v_steps) == sorted(plain_steps) == list(range(1, STEPS + 1))

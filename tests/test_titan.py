@@ -214,7 +214,7 @@ def test_our_classes_run_without_torchtitans_overlap_callback(dualpipe_run: Run,
     for run, name in ((dualpipe_run, "ScheduleDualPipe"), (dualpipev_run, "ScheduleDualPipeV")):
         for rank in (0, 1):
             record = run.probe(rank)
-            assert record["schedule_mro"][0] == f"titan_dualpipe.runtime.schedules.{name}"
+            assert record["schedule_mro"][0] == f"titan_dualpipe.overlap.schedules.{name}"
             assert "torch.distributed.pipelining.schedules.ScheduleDualPipeV" not in record["schedule_mro"]
             assert not record["overlap_callback"]
             # the overlap switch: default true, off for the DualPipeV run
@@ -432,7 +432,8 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     order = compute_order("DualPipeV", 2, 4)
     for rank in range(4):
         probe = run.probe(rank)
-        assert probe["schedule_mro"][0] == "titan_dualpipe.runtime.schedules.ScheduleDualPipeV"
+        assert probe["schedule_mro"][:2] == ["titan_dualpipe.overlap.schedules.ScheduleDualPipeV",
+                                         "titan_dualpipe.runtime.schedules.ScheduleDualPipeV"]
         assert probe["relayed"]["hand_overs"] > 0, probe["relayed"]
         # every stage holding a MoE layer (stage 0 holds the dense first layer only)
         assert probe["two_batch_stages"] == ([3] if rank < 2 else [1, 2]), probe
@@ -939,7 +940,7 @@ TWO_BATCH_CASES = [(False, None, False), (False, "0", False), (False, "1", True)
 @pytest.fixture
 def active_run_kept():
     """The adapter's record of this process's pipeline, restored after the test."""
-    from titan_dualpipe.titan.pipeline import ACTIVE
+    from titan_dualpipe.titan.active import ACTIVE
 
     saved = dict(vars(ACTIVE))
     yield ACTIVE

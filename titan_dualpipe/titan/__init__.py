@@ -38,7 +38,7 @@ from .generation import GEN
 
 TORCHTITAN_VERSION = GEN.release
 
-from . import bench_probe, cpu, data, grad_clip, pipeline, trainer_hooks  # noqa: E402 - after the version check
+from . import cpu, data, grad_clip, pipeline, trainer_hooks  # noqa: E402 - after the version check
 from .config_check import Plan, check_job_config, our_schedule  # noqa: E402
 
 CPU_MODE = cpu.enable()
@@ -46,7 +46,6 @@ data.register_dataset()
 pipeline.install()
 grad_clip.install()
 trainer_hooks.install()
-bench_probe.install_from_env()  # only in runs `titan-dualpipe bench titan` starts
 
 __all__ = ["CPU_MODE", "GEN", "Plan", "TESTED_TORCHTITAN", "TORCHTITAN_VERSION", "check_job_config",
            "check_torchtitan_version", "our_schedule"]

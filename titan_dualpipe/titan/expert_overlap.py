@@ -48,7 +48,7 @@ import torch
 from ..overlap.count_groups import count_group, make_count_groups
 from ..overlap.count_read import TokenCounts, read_token_counts
 from .generation import GEN
-from .pipeline import ACTIVE
+from .active import ACTIVE
 
 
 def _dispatch_token_exchange(self: Any, routed: torch.Tensor, pg: Any, output_splits: list[int],

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .pipeline import ACTIVE
+from .active import ACTIVE
 
 
 def direction1_parameters() -> set[int]:

@@ -42,37 +42,15 @@ from __future__ import annotations
 import functools
 
 import os
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..switches import COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHTS_IN_FLIGHT_ENV
 from . import fold
-from .config_check import Plan, our_schedule
+from .active import ACTIVE
+from .config_check import our_schedule
 from .generation import GEN
 
 V_STYLE_NAME = "ZBVZeroBubble"  # a torch schedule torchtitan places in a V
-
-
-@dataclass
-class ActiveRun:
-    """This process's pipeline: set when the config is checked, filled as it is built."""
-
-    plan: Plan | None = None
-    overlap: bool = True
-    two_batch: bool = False  # the config's two-batch overlap switch (0.3.0: dualpipe.two_batch_overlap)
-    weight_gradients: str = "deferred"  # 0.3.0: dualpipe.weight_gradients
-    not_deferred: list[str] = field(default_factory=list)  # 0.3.0: dualpipe.not_deferred
-    stages: list[Any] = field(default_factory=list)
-    folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
-    expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
-
-    @property
-    def one_rank_v(self) -> bool:
-        """DualPipeV at ``pipeline_parallel_degree`` 1: both stages of the V on each rank."""
-        return self.plan is not None and self.plan.schedule == "DualPipeV" and self.plan.pp == 1
-
-
-ACTIVE = ActiveRun()
 
 
 def pipelines_one_rank_v(parallel_dims: Any) -> bool:

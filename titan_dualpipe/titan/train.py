@@ -5,7 +5,9 @@
 
 Same as ``-m torchtitan.train`` except that the extension is imported first: on 0.2.2 even
 when the TOML does not name it in ``[experimental] custom_import`` (which stays free for the
-user's own), on 0.3.0 whichever ``--module`` holds the config.
+user's own), on 0.3.0 whichever ``--module`` holds the config. In the runs
+``titan-dualpipe bench titan`` starts (it names their folder in the environment), the bench's
+probe is installed too (:mod:`.bench_probe`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def main() -> None:
     import torchtitan.train as titan_train
 
     from titan_dualpipe.titan import GEN  # registers the schedules, CPU mode, dataset
+    from titan_dualpipe.titan import bench_probe
 
+    bench_probe.install_from_env()  # only in runs `titan-dualpipe bench titan` starts
     if GEN.registry:
         titan_train.main()
     else:

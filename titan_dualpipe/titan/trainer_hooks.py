@@ -33,7 +33,8 @@ from . import cpu, data, expert_overlap
 from .config_check import check_cpu_attention, check_job_config, our_schedule
 from .generation import GEN
 from .moe_twins import with_twin_expert_counts, with_twin_expert_counts_030
-from .pipeline import ACTIVE, patch_dual_pipe_v_flag
+from .active import ACTIVE
+from .pipeline import patch_dual_pipe_v_flag
 
 LOSS_RANK = 0  # pipeline rank holding a last stage for both schedules; global rank 0 too
 

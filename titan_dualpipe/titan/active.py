@@ -1,0 +1,35 @@
+"""This process's pipeline run (:data:`ACTIVE`), shared by the adapter's modules.
+
+Its own module so that :mod:`.pipeline` (which fills it as torchtitan builds the pipeline) and
+the modules that read it (:mod:`.expert_overlap`, :mod:`.grad_clip`, :mod:`.trainer_hooks`)
+import it one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config_check import Plan
+
+
+@dataclass
+class ActiveRun:
+    """This process's pipeline: set when the config is checked, filled as it is built."""
+
+    plan: Plan | None = None
+    overlap: bool = True
+    two_batch: bool = False  # the config's two-batch overlap switch (0.3.0: dualpipe.two_batch_overlap)
+    weight_gradients: str = "deferred"  # 0.3.0: dualpipe.weight_gradients
+    not_deferred: list[str] = field(default_factory=list)  # 0.3.0: dualpipe.not_deferred
+    stages: list[Any] = field(default_factory=list)
+    folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
+    expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
+
+    @property
+    def one_rank_v(self) -> bool:
+        """DualPipeV at ``pipeline_parallel_degree`` 1: both stages of the V on each rank."""
+        return self.plan is not None and self.plan.schedule == "DualPipeV" and self.plan.pp == 1
+
+
+ACTIVE = ActiveRun()
