@@ -25,6 +25,11 @@ AGNOSTIC_MODULES = {
 
 # single tests (every parametrization), with the unmarked test that keeps the mechanism covered
 AGNOSTIC_TESTS = {
+    "test_imports.py": {
+        # the import graph, read from the source: test_importing_changes_no_other_modules_globals imports on every torch
+        "test_import_graph_sees_imports",
+        "test_no_import_circle",
+    },
     "test_nccl_order.py": {
         "test_recorded_posting_at_pp8_completes_without_buffering",  # the recorder: pp 2 and 4 cases
         "test_an_order_gloo_runs_but_nccl_would_not_fails_here",  # the model's logic, on a hand-made order

@@ -123,6 +123,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
+        register_expert_class(GroupedExperts)  # its bmm weight GEMMs wait for W in a split backward
         e, d, h = args.num_experts, args.dim, args.moe_inter_dim
         self.w1 = nn.Parameter(torch.empty(e, d, h))
         self.w2 = nn.Parameter(torch.empty(e, h, d))
@@ -133,9 +134,6 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[local experts, tokens, dim]``."""
         return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
-
-
-register_expert_class(GroupedExperts)  # its bmm weight GEMMs wait for W in a split backward
 
 
 @dataclass
@@ -151,6 +149,7 @@ class Routing:
 class MoE(nn.Module):
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
+        register_exchange_rule(_has_expert_parallel_moe)  # two-batch overlap splits its stages
         self.args = args
         self.router = TokenChoiceTopKRouter(args)
         self.experts = GroupedExperts(args)
@@ -491,6 +490,3 @@ def expert_parallel(module: nn.Module, comm: ExpertParallelComm) -> None:
 
 def _has_expert_parallel_moe(module: nn.Module) -> bool:
     return any(isinstance(m, MoE) and m.comm.size > 1 for m in module.modules())
-
-
-register_exchange_rule(_has_expert_parallel_moe)

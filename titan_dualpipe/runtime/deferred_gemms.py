@@ -12,7 +12,7 @@ one. While an installed expert module runs its forward, :class:`DeferringExpertG
   (tokens x experts with offsets), and this package's float32 grouped GEMM (CPU mode).
 
 The weight operand is no input of the node: its gradient enters autograd at the operand's edge
-(:func:`~.deferred_weights.root_of`), so nothing reaches the parameter at ``I``. In a backward
+(:func:`~.weight_queue.root_of`), so nothing reaches the parameter at ``I``. In a backward
 inside an ``I`` the input gradient is computed at once and the weight operand's gradient GEMM is
 queued, holding the output gradient and the tokens only; at ``W`` it runs and its result flows
 back to the parameter through the operand's own small graph (slice, cast, transpose,
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .deferred_weights import WeightGradQueue, autocast_dtype, defer_or_accumulate, root_of
+from .weight_queue import WeightGradQueue, autocast_dtype, defer_or_accumulate, root_of
 
 
 def _float32_grouped_mm() -> Any:

@@ -39,28 +39,21 @@ others (parametrizations), frozen weights, and modules left out by name.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import fnmatch
 import itertools
-import threading
 import types
 import weakref
-from collections import Counter
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .._compat.autograd import inside_backward
+from .weight_queue import WeightGradQueue, autocast_dtype, defer_or_accumulate
 
 WEIGHT_GRADIENT_MODES = ("deferred", "deferred_compiled", "split", "whole")
 DEFERRING_MODES = ("deferred", "deferred_compiled")  # the modes that install deferred GEMMs
-Key = tuple[int, int]  # (stage index, microbatch)
-Root = Union[torch.Tensor, GradientEdge]  # where a weight gradient enters autograd: a parameter, or an operand's edge
 
 
 def weight_gradients_problem(mode: object, not_deferred: object) -> None:
@@ -72,239 +65,6 @@ def weight_gradients_problem(mode: object, not_deferred: object) -> None:
     if isinstance(not_deferred, str) or not all(isinstance(name, str) for name in not_deferred):  # type: ignore[union-attr]
         raise PipelineConfigError(f"not_deferred={not_deferred!r}: pass a list of module names or fnmatch patterns, "
                                   f"e.g. ['output', 'layers.*.attention.wq']")
-
-
-def root_of(operand: torch.Tensor) -> Root:
-    """Where ``operand``'s gradient enters autograd: the parameter itself, or the edge into the small
-    graph that computed it (a slice, a cast, ``to_local``), which holds none of its tensors."""
-    return operand if operand.is_leaf else get_gradient_edge(operand)
-
-
-@dataclasses.dataclass
-class _Deferred:
-    """One queued weight GEMM: its root, the GEMM (None once computed), its result."""
-
-    root: Root
-    gemm: Callable[[], torch.Tensor] | None
-    kind: str
-    handle: Any  # a memory meter's hold on the GEMM's operands, dropped with them
-    grad: torch.Tensor | None = None
-
-    def compute(self) -> None:
-        if self.gemm is not None:
-            self.grad, self.gemm, self.handle = self.gemm(), None, None
-
-
-class WeightGradQueue:
-    """One schedule's queued weight GEMMs, by (stage, microbatch).
-
-    :meth:`deferring` marks the forwards running now as deferrable; :meth:`collecting` marks the
-    backward running now as an ``I`` whose weight GEMMs wait for :meth:`run`. Both are
-    attributes, not thread-local state: autograd runs a CUDA backward on its own device thread,
-    and a relay runs two halves on two threads. A forward and a recomputation inside a backward
-    tell themselves apart by whether a backward runs on their thread (:meth:`routes_now`).
-    """
-
-    def __init__(self) -> None:
-        self.target: Key | None = None
-        self.defers_forwards = False
-        self._pending: dict[Key, list[_Deferred]] = {}
-        self._casts: dict[tuple[int, torch.dtype], tuple[Any, int, torch.Tensor]] = {}  # autocast's weight casts
-        self._anchors: dict[torch.device, torch.Tensor] = {}
-        # a memory meter's ``hold``: counts a queued GEMM's operands as live until its W drops the handle
-        self.on_hold: Callable[[tuple[torch.Tensor, ...]], Any] | None = None
-        self.ran: Counter[int] = Counter()  # weight GEMMs run at W this step, by stage
-        self.ran_kinds: Counter[str] = Counter()  # ... by kind ("linear", "experts")
-        self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
-        self.ran_in_flight = 0  # full backwards' weight GEMMs computed while their exchanges flew, this step
-        self._lock = threading.Lock()
-
-    def __deepcopy__(self, memo: dict) -> "WeightGradQueue":
-        return self  # a copied stage module defers into its schedule's queue until installed again
-
-    def __getstate__(self) -> dict:
-        return {"target": None, "defers_forwards": False, "_pending": {}, "_casts": {}, "_anchors": {},
-                "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(), "ran_in_flight": 0,
-                "on_hold": None}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def deferring(self, defer: bool = True) -> Iterator[None]:
-        """Forwards in the block build deferrable weight GEMMs (``defer=False``: plain autograd)."""
-        previous, self.defers_forwards = self.defers_forwards, defer
-        try:
-            yield
-        finally:
-            self.defers_forwards = previous
-
-    @contextlib.contextmanager
-    def collecting(self, key: Key) -> Iterator[None]:
-        """The backward in the block is ``key``'s ``I``: its deferrable weight GEMMs wait for :meth:`run`."""
-        self.target = key
-        try:
-            yield
-        finally:
-            self.target = None
-
-    def routes_now(self) -> bool:
-        """Whether a GEMM called now builds a deferrable weight gradient: a forward inside
-        :meth:`deferring`, or a checkpointed region's recomputation inside a backward that collects
-        (the backward of a forward that deferred: the recomputation takes the forward's path)."""
-        return self.target is not None if inside_backward() else self.defers_forwards
-
-    def defer(self, root: Root, gemm: Callable[[], torch.Tensor], kind: str = "linear",
-              holds: tuple[torch.Tensor, ...] = ()) -> bool:
-        """Queue ``gemm`` (the gradient of ``root``) for the backward running now; False when it is not
-        an ``I`` (accumulate it now). ``holds``: the tensors ``gemm`` keeps alive until it runs."""
-        key = self.target
-        if key is None:
-            return False
-        handle = self.on_hold(holds) if self.on_hold is not None else None
-        with self._lock:
-            self._pending.setdefault(key, []).append(_Deferred(root, gemm, kind, handle))
-        return True
-
-    def compute_in_flight(self, key: Key) -> int:
-        """Compute ``key``'s queued GEMMs now (a full backward's, while its exchanges fly); :meth:`run`
-        gives them to autograd with the rest, in the order they were queued. How many ran."""
-        with self._lock:
-            waiting = [d for d in self._pending.get(key, []) if d.gemm is not None]
-        for deferred in waiting:
-            deferred.compute()
-        self.ran_in_flight += len(waiting)
-        return len(waiting)
-
-    def run(self, key: Key, at_weight: bool = True) -> int:
-        """Compute ``key``'s queued GEMMs and accumulate them (its ``W``; ``at_weight=False``: the end of
-        a full backward that computed some in flight); how many there were."""
-        with self._lock:
-            deferred = self._pending.pop(key, [])
-        if at_weight:
-            self.ran_kinds.update(d.kind for d in deferred)
-            self.ran[key[0]] += len(deferred)
-            self.ran_microbatches[key] += len(deferred)
-        # one parameter at a time: its hooks run once, on its whole gradient, and no more than one
-        # parameter's results are alive at once (a stage's weights' worth would be)
-        for group in _by_parameter(deferred):
-            for d in group:
-                d.compute()
-            accumulate([(d.root, d.grad) for d in group])
-            group.clear()  # its results go with the entries
-        return len(deferred)
-
-    def pending(self) -> dict[Key, int]:
-        return {key: len(gemms) for key, gemms in self._pending.items()}
-
-    def compute_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` for a deferrable GEMM, out of the graph: as is, or cast to autocast's ``dtype``
-        once per step (autocast caches its weight casts the same way)."""
-        if weight.dtype == dtype:
-            return weight.detach()
-        if not torch.is_autocast_cache_enabled():
-            return weight.detach().to(dtype)
-        key = (id(weight), dtype)
-        hit = self._casts.get(key)
-        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-            return hit[2]
-        cast = weight.detach().to(dtype)
-        self._casts[key] = (weakref.ref(weight), weight._version, cast)
-        return cast
-
-    def anchor(self, device: torch.device) -> torch.Tensor:
-        """A tensor that needs a gradient, for deferrable nodes whose other inputs need none (a first
-        layer on data): it keeps them in the graph. Its gradient is always None."""
-        anchor = self._anchors.get(device)
-        if anchor is None:
-            anchor = self._anchors[device] = torch.zeros((), device=device, requires_grad=True)
-        return anchor
-
-    def forget_casts(self) -> None:
-        self._casts.clear()
-
-    def clear(self) -> None:
-        """Forget what an earlier step queued or ran."""
-        with self._lock:
-            self._pending.clear()
-        self._casts.clear()
-        self.ran.clear()
-        self.ran_kinds.clear()
-        self.ran_microbatches.clear()
-        self.ran_in_flight = 0
-        self.target = None
-        self.defers_forwards = False
-
-
-def _by_parameter(deferred: list[_Deferred]) -> list[list[_Deferred]]:
-    """``deferred`` grouped by the parameter its gradient reaches (an operand's edge: through the
-    operand's graph), groups in the order of their first entry, entries in queue order."""
-    groups: dict[int, list[_Deferred]] = {}
-    for d in deferred:
-        groups.setdefault(id(_parameter_of(d.root)), []).append(d)
-    return list(groups.values())
-
-
-def _parameter_of(root: Root) -> Any:
-    """The leaf a root's gradient accumulates into: the parameter, or the end of an operand's chain of
-    single-input nodes (slice, cast, transpose, ``to_local``); the edge's node where it branches."""
-    if not isinstance(root, GradientEdge):
-        return root
-    node = root.node
-    while True:
-        if hasattr(node, "variable"):  # AccumulateGrad
-            return node.variable
-        edges = [fn for fn, _ in node.next_functions if fn is not None]
-        if len(edges) != 1:
-            return node
-        node = edges[0]
-
-
-def accumulate(gradients: list[tuple[Root, torch.Tensor]]) -> None:
-    """Give weight gradients to autograd, one call: each parameter's accumulation runs once, with its
-    hooks, whatever path led there. Gradients of one root are summed first, in the order given (in
-    their own dtype, as autocast's cast node sums them), so the result does not depend on when each
-    was computed."""
-    summed: dict[Any, list] = {}
-    for root, grad in gradients:
-        key = (id(root.node), root.output_nr) if isinstance(root, GradientEdge) else id(root)
-        if key in summed:
-            summed[key][1] = summed[key][1] + grad
-        else:
-            summed[key] = [root, grad]
-    if not summed:
-        return
-    roots = [root for root, _ in summed.values()]
-    grads = [_in_layout_of(root, grad) for root, grad in summed.values()]
-    torch.autograd.backward(roots, grads)
-
-
-def _in_layout_of(root: Root, grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor parameter's gradient with the parameter's placements (what its optimizer expects)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(root, DTensor) and isinstance(grad, DTensor) and grad.placements != root.placements:
-        return grad.redistribute(root.device_mesh, root.placements)
-    return grad
-
-
-def defer_or_accumulate(queue: WeightGradQueue, root: Root, gemm: Callable[[], torch.Tensor], kind: str,
-                        holds: tuple[torch.Tensor, ...]) -> None:
-    """Queue ``gemm`` for ``W`` inside an ``I``; anywhere else compute it and accumulate it now."""
-    if not queue.defer(root, gemm, kind, holds):
-        accumulate([(root, gemm())])
-
-
-def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a GEMM on ``tensor`` in (its device's autocast is on and it is a
-    floating-point tensor other than float64), or None."""
-    device_type = tensor.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
-        return None
-    if not tensor.is_floating_point() or tensor.dtype == torch.float64:
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 class _LinearCall:
