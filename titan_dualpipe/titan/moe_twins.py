@@ -20,7 +20,7 @@ from torch import nn
 
 from ..runtime.p2p import swap
 from .generation import GEN
-from .pipeline import ACTIVE
+from .active import ACTIVE
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
