@@ -45,6 +45,7 @@ _INIT_STAGES_KEYWORDS = frozenset(inspect.signature(PipelineScheduleMulti._initi
 # ``_warmup_p2p(stages, has_backward, p2p_done)``. Same arguments, the last one negated.
 START_UP_METHOD = ("_initialize_pipeline_distributed_state"
                    if hasattr(PipelineScheduleMulti, "_initialize_pipeline_distributed_state") else "_warmup_p2p")
+_WARMUP_P2P = START_UP_METHOD == "_warmup_p2p"  # before 2.15: its last argument is "p2p done", not "connect"
 
 
 def initialize_stages(schedule: PipelineScheduleMulti, args: tuple, kwargs: dict, target: Any,
@@ -130,7 +131,7 @@ def runnable_on_gloo(schedule: PipelineScheduleMulti) -> PipelineScheduleMulti:
     :func:`warm_up_neighbours` (2.12+, traced stages) instead. Otherwise unchanged."""
     if "target" not in _INIT_STAGES_KEYWORDS:
         schedule._initialize_stages = types.MethodType(_initialize_stages_by_shape_exchange, schedule)
-    elif START_UP_METHOD == "_warmup_p2p" and not all(isinstance(stage, PipelineStage) for stage in schedule._stages):
+    elif _WARMUP_P2P and not all(isinstance(stage, PipelineStage) for stage in schedule._stages):
         schedule._warmup_p2p = _warm_up_unless_done
     return schedule
 
@@ -155,7 +156,7 @@ def torch_start_up(schedule: PipelineScheduleMulti, stages: list[_PipelineStageB
     ``connect`` (the first time) its p2p warm-up (before 2.15: messages to the neighbour stages; 2.15+:
     one exchange per pair of ranks, none to a rank itself)."""
     method = getattr(PipelineScheduleMulti, START_UP_METHOD)
-    method(schedule, stages, has_backward, connect if START_UP_METHOD != "_warmup_p2p" else not connect)
+    method(schedule, stages, has_backward, not connect if _WARMUP_P2P else connect)
 
 
 def with_start_up(cls: type) -> type:
@@ -163,7 +164,7 @@ def with_start_up(cls: type) -> type:
     connect)`` (``connect``: p2p not set up yet) under this torch's name for its start-up."""
 
     def start_up(self: Any, stages: list, has_backward: bool, flag: bool) -> None:
-        self._start_up(stages, has_backward, flag if START_UP_METHOD != "_warmup_p2p" else not flag)
+        self._start_up(stages, has_backward, not flag if _WARMUP_P2P else flag)
 
     start_up.__doc__ = f"torch's {START_UP_METHOD}: runs ``_start_up``."
     setattr(cls, START_UP_METHOD, start_up)
@@ -175,7 +176,7 @@ def warm_up_traced(schedule: PipelineScheduleMulti, stages: list[_PipelineStageB
     """Start-up for stages from torch's tracer (``pipeline(...).build_stage``): 2.15+ torch's own
     (it sends nothing to a rank itself); before it, torch's warm-up messages without those to this
     rank itself (:func:`warm_up_neighbours`)."""
-    if START_UP_METHOD != "_warmup_p2p":
+    if not _WARMUP_P2P:
         torch_start_up(schedule, stages, has_backward, connect)
     elif connect:
         warm_up_neighbours(stages)
