@@ -1,5 +1,5 @@
 """The autograd contract: what works under plain autograd and torch's ``ScheduleDualPipeV`` works
-under ours (the differential harness, tests/contract_cases.py: CPU, gloo, 4 spawned ranks).
+under ours (the differential harness, tests/cases/contract_cases.py: CPU, gloo, 4 spawned ranks).
 
 Every autograd feature of :data:`contract_cases.FEATURES`, under both schedules, every backward
 path and activation-checkpointing mode, trains two steps as plain autograd does: losses, every
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-import contract_cases as cases
-from dist_pool import WorkerPool, ran as _ran
+from cases import contract_cases as cases
+from cases.dist_pool import WorkerPool, ran as _ran
 
 WORLD = cases.WORLD  # the module's pool (tests/conftest.py)
 
@@ -81,11 +81,8 @@ def test_a_failure_is_named_on_every_rank(fail_at):
     rank 0 raises that error, rank 1 a PeerFailed naming it, also when it happens inside torch's
     stage initialisation (whose own collectives the other rank waits in)."""
     timeout = 10.0
-    own = WorkerPool(2, pg_timeout_s=timeout)
-    try:
+    with WorkerPool(2, pg_timeout_s=timeout) as own:
         results = own.run(cases.failure_named_on_every_rank, timeout_s=120, fail_at=fail_at, group_timeout_s=timeout)
-    finally:
-        own.close(kill=True)
     first, second = sorted(_ran(results), key=lambda r: r["rank"])
     assert first["cause"].startswith("ValueError: boom in backward call"), first
     assert second["raised"].startswith("PeerFailed: "), second

@@ -6,20 +6,13 @@ import json
 
 import pytest
 
-import check_cases
-from dist_pool import WorkerPool
+from cases import check_cases
 from titan_dualpipe.check import cli as check_cli
 from titan_dualpipe.cli import main as cli_main
 
+WORLD = 2  # the module's pool (tests/conftest.py)
 # FSDP2's warning about a module returning a view, harmless in the check (see check/cli.py)
 FSDP_VIEW_WARNING = "can cause backward to fail"
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
 
 
 def test_layouts_cover_every_pp_that_fits():

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from cases.titan_runs import DUMP_FOLDER, REGISTRY, ROOT, STEPS, Run, assert_trains, config, ok, train
 from test_docs import _shell_lines, _tokens
-from test_titan import DUMP_FOLDER, REGISTRY, ROOT, STEPS, Run, _assert_trains, _ok, config, train
 from titan_dualpipe.launch import ANSI, DEFAULT_MODULE, config_arguments
 from titan_dualpipe.switches import TEST_PROBE_ENV
-from titan_dualpipe.testing.spawn import _free_port
+from titan_dualpipe.testing.spawn import free_port
 
 DOCS = ROOT / "docs" / "torchtitan.md"
 NAME = "debug_dualpipev"
@@ -89,7 +89,7 @@ def run_nodes(out_dir: Path) -> list[Run]:
     """Both nodes at once, sharing the dump folder as cluster nodes share a file system."""
     out_dir.mkdir(parents=True, exist_ok=True)
     documented = documented_command()
-    endpoint, run_id = f"127.0.0.1:{_free_port()}", f"titan-dualpipe-{uuid.uuid4().hex[:12]}"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"titan-dualpipe-{uuid.uuid4().hex[:12]}"
     # torchrun sets one thread per process only when it starts more than one per node; the
     # one-node reference runs with one, so its figures are reproduced bit for bit (and 2 cores
     # are not oversubscribed).
@@ -131,10 +131,10 @@ def test_two_node_command_trains_with_the_losses_of_one_node(tmp_path: Path) -> 
     with ThreadPoolExecutor(1) as pool:
         one_node = pool.submit(train, NAME, tmp_path / "one_node")
         nodes = run_nodes(tmp_path / "two_nodes")
-        reference = _ok(one_node.result())
+        reference = ok(one_node.result())
     expected = reference.logged()[0]  # {step: (loss, grad_norm)}; every rank logs them under DualPipeV
     assert reference.logged()[1] == expected
-    _assert_trains(reference.losses())
+    assert_trains(reference.losses())
     pipeline_ranks = []
     for node, run in enumerate(nodes):
         logged = run.logged()  # each node shows its local rank 0

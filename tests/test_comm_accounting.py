@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_pool import one_rank_process_group
+from cases.dist_pool import one_rank_process_group
 from titan_dualpipe.overlap.comm import (CommStats, EmulatedNetwork, ExpertParallelComm, PendingAllToAll,
                                          RelayedExchangeCost, all_to_all)
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel

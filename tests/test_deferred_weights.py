@@ -1,4 +1,4 @@
-"""Deferred weight GEMMs (``runtime/deferred_weights.py``) in one process: the same gradients as
+"""Deferred weight GEMMs (``titan_dualpipe/weights/``) in one process: the same gradients as
 autograd's, bit for bit, under every AC mode; what is installed and what is left out; option checks."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_dualpipe import ScheduleDualPipeV
-from titan_dualpipe.runtime.deferred_weights import (WeightGradQueue, deferrable_modules, install, uninstall,
-                                                     weight_gradients_problem)
+from titan_dualpipe.weights.install import deferrable_modules, install, uninstall
+from titan_dualpipe.weights.policy import weight_gradients_problem
+from titan_dualpipe.weights.queue import WeightGradQueue
 from titan_dualpipe.runtime.errors import PipelineConfigError
 
 
@@ -292,7 +293,7 @@ def test_expert_weight_gemms_wait_for_w(make, ac):
     reference, call = make()
     deferred, _ = make()
     queue = WeightGradQueue()
-    from titan_dualpipe.runtime.deferred_weights import register_expert_class
+    from titan_dualpipe.weights import register_expert_class
 
     register_expert_class(type(reference))
     assert install(deferred, queue) == [""]
@@ -348,7 +349,7 @@ def test_a_forward_wrapped_on_the_instance_defers_too(make, wrapped):
     """A module whose forward an instance attribute wraps (bound to the class's forward before or
     after install) queues its weight GEMMs all the same, with autograd's gradients; uninstall gives
     the wrapper back."""
-    from titan_dualpipe.runtime.deferred_weights import register_expert_class
+    from titan_dualpipe.weights import register_expert_class
 
     if make is None:
         def make():
@@ -411,7 +412,7 @@ def test_a_full_backward_computes_its_weight_gemms_while_its_exchange_flies():
     layer after it, backpropagated first) are computed between posting and waiting; the rest at
     the end, where all go to autograd together. Gradients equal autograd's bit for bit; nothing
     runs outside the block."""
-    from titan_dualpipe.runtime.in_flight import run_work_in_flight, work_while_exchanges_fly
+    from titan_dualpipe.weights.in_flight import run_work_in_flight, work_while_exchanges_fly
 
     log: list[str] = []
     first, second = nn.Linear(16, 32), nn.Linear(32, 16)
@@ -452,7 +453,7 @@ def test_only_a_backwards_exchanges_run_the_work_in_flight():
     import threading
 
     from titan_dualpipe.overlap.relay import hand_over, run_relayed
-    from titan_dualpipe.runtime.in_flight import work_while_exchanges_fly
+    from titan_dualpipe.weights.in_flight import work_while_exchanges_fly
 
     ran: list[str] = []
     backward = functools.partial(hand_over, backward=True)
@@ -511,12 +512,12 @@ class _TwoWayExchange(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("ac", ["none", "full", "selective", "nested"])
-def test_weights_in_flight_never_run_inside_a_recomputation(ac):
-    """A full backward with weights in flight through a checkpointed block that posts an exchange
+def test_weight_gemms_in_flight_never_run_inside_a_recomputation(ac):
+    """A full backward with weight GEMMs in flight through a checkpointed block that posts an exchange
     (its recomputation posts it again, inside the backward) and a deferrable layer outside the
     block: the GEMMs run at the backward's own exchange, never in the recomputation, and every
     gradient equals plain autograd's bit for bit."""
-    from titan_dualpipe.runtime.in_flight import work_while_exchanges_fly
+    from titan_dualpipe.weights.in_flight import work_while_exchanges_fly
 
     torch.manual_seed(0)
     reference = _Exchanged(ac)
@@ -549,7 +550,7 @@ def test_a_queued_expert_gemm_holds_only_what_it_reads():
     import gc
     import weakref
 
-    from titan_dualpipe.runtime.deferred_gemms import DeferringExpertGemms
+    from titan_dualpipe.weights.experts import DeferringExpertGemms
 
     torch.manual_seed(0)
     experts = nn.Parameter(torch.randn(4, 16, 32))
@@ -573,6 +574,6 @@ def test_a_queued_expert_gemm_holds_only_what_it_reads():
 def test_the_compiled_weight_gemm_is_unsafe_for_cuda_graphs():
     """Whether it queues is decided at run time, and a queued GEMM outlives the call: a CUDA graph
     (``mode="reduce-overhead"``) must not capture it."""
-    import titan_dualpipe.runtime.deferred_weights  # noqa: F401 - registers the operator
+    import titan_dualpipe.weights.linear  # noqa: F401 - registers the operator
 
     assert torch.Tag.cudagraph_unsafe in torch.ops.titan_dualpipe.linear_weight_gemm.default.tags

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_pool import one_rank_process_group
+from cases.dist_pool import one_rank_process_group
 from titan_dualpipe._compat.c10d import wait_collective
 from titan_dualpipe.overlap import comm
 from titan_dualpipe.runtime import executor as executor_module

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dist_pool import RemoteError, WorkerPool
+from cases.dist_pool import RemoteError, WorkerPool
 
 
 def abort_from_a_thread(rank_to_crash: int) -> int:

@@ -510,19 +510,23 @@ def test_pictures_are_what_draw_makes(tmp_path: Path) -> None:
 
 # ---- the dependency rule ----------------------------------------------------------------------
 
-# layer -> the package's modules it may import (docs/architecture.md: _compat -> orders -> runtime
-# -> overlap -> titan; "" is the package itself); switches.py imports nothing at all
+# layer -> the package's modules it may import (docs/architecture.md: _compat -> orders -> weights
+# -> runtime -> overlap -> titan; "" is the package itself); switches.py imports nothing at all
 ALLOWED = {
     "_compat": {"_compat"},
     "orders": {"_compat", "cli", "orders"},
-    "runtime": {"_compat", "orders", "runtime"},
-    "overlap": {"_compat", "orders", "runtime", "overlap", "split"},
-    "titan": {"", "_compat", "orders", "runtime", "overlap", "split", "switches", "titan", "torchtitan_version"},
+    "weights": {"_compat", "orders", "weights"},
+    "exposure": {"exposure"},  # pure: the floor and its record
+    "runtime": {"_compat", "orders", "weights", "runtime"},
+    "overlap": {"_compat", "orders", "weights", "runtime", "overlap", "cut", "exposure"},
+    "titan": {"", "_compat", "orders", "weights", "runtime", "overlap", "cut", "switches", "titan",
+              "torchtitan_version", "exposure"},
     "switches": set(),
-    "testing": {"_compat", "split", "testing"},
+    "testing": {"_compat", "cut", "testing"},
     # the tools: never the benchmarks
-    "sim": {"", "_compat", "cli", "orders", "runtime", "sim", "testing"},
-    "check": {"", "_compat", "check", "cli", "launch", "orders", "runtime", "switches", "testing", "torchtitan_version"},
+    "sim": {"", "_compat", "cli", "cut", "orders", "weights", "runtime", "sim", "testing", "exposure", "overlap"},
+    "check": {"", "_compat", "check", "cli", "cut", "launch", "orders", "runtime", "switches", "testing",
+              "torchtitan_version"},
 }
 SWITCH_NAME = re.compile(r"TITAN_DUALPIPE_[A-Z0-9_]+")
 
@@ -577,19 +581,37 @@ def imported_modules(path: Path) -> set[Path]:
 
 def test_runners_are_carried_by_the_exported_schedules() -> None:
     """The overlap runners reach the runtime only through the schedule classes
-    overlap/schedules.py defines, which the package exports; runtime/two_batch.py imports
+    overlap/schedules.py defines, which the package exports; runtime/sub_batch_runner.py imports
     neither the executor nor the schedules that read its runner."""
     runtime = PACKAGE / "runtime"
-    assert not {runtime / "executor.py", runtime / "schedules.py"} & imported_modules(runtime / "two_batch.py")
+    assert (runtime / "sub_batch_runner.py").exists()
+    assert not {runtime / "executor.py", runtime / "schedules.py"} & imported_modules(runtime / "sub_batch_runner.py")
     import titan_dualpipe
     from titan_dualpipe.overlap.pair import run_pair_overlapped
-    from titan_dualpipe.overlap.two_batch import TwoBatchRunner
+    from titan_dualpipe.overlap.sub_batches import TwoBatchRunner
     from titan_dualpipe.runtime import schedules
     for name in ("ScheduleDualPipeV", "ScheduleDualPipe"):
         exported = getattr(titan_dualpipe, name)
         assert issubclass(exported, getattr(schedules, name))
-        assert exported.overlapped_pair_runner is run_pair_overlapped and exported.halves_runner is TwoBatchRunner
+        assert exported.overlapped_pair_runner is run_pair_overlapped and exported.sub_batch_runner is TwoBatchRunner
         assert getattr(schedules, name).overlapped_pair_runner is None
+
+
+def test_the_executor_reads_a_narrow_view_of_its_schedule() -> None:
+    """The executor and the runners it calls read the schedule only through ``runtime/view.py``'s
+    public fields: no name ``schedule`` in their code, and the view holds no private name."""
+    import dataclasses
+
+    from titan_dualpipe.runtime.view import ScheduleView, StepOptions, TorchStepState
+    readers = [PACKAGE / "runtime" / "executor.py", PACKAGE / "runtime" / "pairs.py", PACKAGE / "overlap" / "pair.py",
+               PACKAGE / "overlap" / "sub_batches.py"]
+    for path in readers:
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert "schedule" not in names | attributes, path
+    for view in (ScheduleView, StepOptions, TorchStepState):
+        assert not [f.name for f in dataclasses.fields(view) if f.name.startswith("_")]
 
 
 def test_switches_load_without_torch() -> None:

@@ -200,3 +200,85 @@ def test_import_graph_sees_imports() -> None:
 def test_no_import_circle() -> None:
     cycle = _cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_old_public_names_warn_and_still_work() -> None:
+    """Names users called before they moved or were renamed: a DeprecationWarning naming the new one,
+    and the same object or result."""
+    import importlib
+    import warnings
+
+    import torch
+
+    from titan_dualpipe import cut, weights
+    from titan_dualpipe.overlap import MoEArgs, MoETransformer
+
+    moved = [("titan_dualpipe.runtime.deferred_weights", "register_expert_class", weights.register_expert_class),
+             ("titan_dualpipe.runtime.deferred_weights", "uninstall", weights.uninstall),
+             ("titan_dualpipe.runtime.split_backward", "register_whole_backward_rule",
+              weights.register_whole_backward_rule)]
+    for module, name, new in moved:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(importlib.import_module(module), name) is new
+        assert [w.category for w in caught] == [DeprecationWarning] and f"titan_dualpipe.weights.{name}" in str(caught[0].message)
+    from titan_dualpipe.overlap import split_parts
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEArgs(n_layers=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = split_parts(model, 2)
+    assert [w.category for w in caught] == [DeprecationWarning] and "cut_layers" in str(caught[0].message)
+    assert [list(p.state_dict()) for p in old] == [list(p.state_dict()) for p in cut.cut_layers(model, 2)]
+
+
+def test_renamed_schedule_keywords_warn_and_still_work() -> None:
+    """``weights_in_flight=`` reaches the constructor as ``weight_gemms_in_flight=``, with a DeprecationWarning."""
+    import warnings
+
+    from titan_dualpipe.runtime.schedules import _renamed_keywords
+
+    class Schedule:
+        @_renamed_keywords
+        def __init__(self, stages, *, weight_gemms_in_flight: bool = True) -> None:
+            self.in_flight = weight_gemms_in_flight
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert Schedule([], weights_in_flight=False).in_flight is False
+    assert [w.category for w in caught] == [DeprecationWarning] and "weight_gemms_in_flight" in str(caught[0].message)
+    assert Schedule([]).in_flight is True
+
+
+def test_the_sub_batch_protocol_under_its_old_names_warns_and_still_works() -> None:
+    """``OverlappedHalves`` and a module class defining ``overlapped_halves_forward/backward`` (the
+    protocol's names before two-batch pieces were called sub-batches): a DeprecationWarning, and
+    the class's methods still run."""
+    import warnings
+
+    from torch import nn
+
+    from titan_dualpipe import overlap
+    from titan_dualpipe.overlap.protocol import OverlappedSubBatches, sub_batches_implementation
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert overlap.OverlappedHalves is OverlappedSubBatches
+    assert [w.category for w in caught] == [DeprecationWarning]
+
+    class Old(nn.Module):
+        @classmethod
+        def overlapped_halves_forward(cls, module, sub_batches):
+            return ["forward", len(sub_batches)]
+
+        @classmethod
+        def overlapped_halves_backward(cls, module, sub_batches):
+            return None
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        provider = sub_batches_implementation(Old())
+    assert [w.category for w in caught] == [DeprecationWarning] and "overlapped_sub_batches_forward" in str(caught[0].message)
+    assert provider.overlapped_sub_batches_forward(Old(), [1, 2]) == ["forward", 2]
+    assert sub_batches_implementation(nn.Linear(1, 1)) is None

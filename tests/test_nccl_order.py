@@ -17,10 +17,9 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-import check_cases
-import moe_trace_cases
-import pipeline_cases as cases
-from dist_pool import WorkerPool
+from cases import check_cases, moe_trace_cases
+from cases import pipeline_cases as cases
+from cases.dist_pool import WorkerPool
 from titan_dualpipe import compute_order, placement
 from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders.lowering import lower
@@ -29,14 +28,7 @@ from titan_dualpipe.orders.nccl_model import (
     describe, eager_init, first_uses, group_comm, pair_comm, planned_trace,
 )
 
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(WORLD)
-    yield p
-    p.close()
+WORLD = 4  # the module's pool (tests/conftest.py); 8 ranks in pool8 below
 
 
 def _configs(max_pp: int = 8):
@@ -217,9 +209,8 @@ def test_recorded_step_completes_under_eager_init(pool, schedule, pp, n):
 @pytest.fixture(scope="module")
 def pool8(pool):
     pool.close()  # one pool at a time: 8 processes share the machine's cores
-    p = WorkerPool(8)
-    yield p
-    p.close()
+    with WorkerPool(8) as p:
+        yield p
 
 
 @pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])

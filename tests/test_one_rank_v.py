@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dist_pool import one_rank_process_group
+from cases.dist_pool import one_rank_process_group
+from cases.titan_runs import PROBE_MODULE
 from titan_dualpipe.launch import ANSI, dump_folder_flag, logged_steps, shipped_config
 from titan_dualpipe.switches import TEST_PROBE_ENV
 from titan_dualpipe.torchtitan_version import installed, uses_config_registry
@@ -93,10 +94,10 @@ def test_torchtitan_pipelines_a_one_rank_v_over_a_group_of_one(world_of_one, mon
 
 
 def _train(out_dir: Path, *overrides: str, probe: bool = False) -> str:
-    """``titan-dualpipe train debug_dualpipev --nproc 1`` (with ``tests/titan_probe.py`` loaded
+    """``titan-dualpipe train debug_dualpipev --nproc 1`` (with ``tests/cases/titan_probe.py`` loaded
     when ``probe``); its output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    module = "titan_probe" if probe else "titan_dualpipe.titan"
+    module = PROBE_MODULE if probe else "titan_dualpipe.titan"
     if probe:
         env[TEST_PROBE_ENV] = str(out_dir)
     argv = [sys.executable, "-m", "titan_dualpipe", "train", shipped_config("debug_dualpipev", REGISTRY),

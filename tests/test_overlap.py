@@ -17,17 +17,19 @@ import types
 import pytest
 import torch
 
-import overlap_cases as cases
-from dist_pool import WorkerPool
+from cases import overlap_cases as cases
+from cases.dist_pool import WorkerPool
 from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders import compute_order, placement
-from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
+from titan_dualpipe.orders.lone_actions import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.comm import CommStats, EmulatedNetwork, PendingAllToAll
-from titan_dualpipe.overlap.moe import _RECORD_KEY, MoEArgs, MoETransformer, split_parts
+from titan_dualpipe.cut import cut_layers
+from titan_dualpipe.overlap.moe import _RECORD_KEY, MoEArgs, MoETransformer
 from titan_dualpipe.overlap.segments import SegmentLeaves, interleave, run_to_completion
 from titan_dualpipe.testing.model import lm_loss
 
-WORLD = 4
+WORLD = 4  # the module's pool (tests/conftest.py): pp=2 x ep=2
+POOL_TIMEOUT_S = cases.GROUP_TIMEOUT_S
 ARGS = MoEArgs(vocab_size=64, dim=32, n_layers=4, n_heads=2, num_experts=4, top_k=2, capacity_factor=1.0)
 
 
@@ -53,7 +55,7 @@ def test_pair_is_bitwise_equal_to_plain_autograd(checkpoint, last):
     """F(mb1) overlapped with B(mb0) vs plain forward then plain backward: same output,
     same parameter and input gradients, bit for bit; then a segment-wise backward of mb1."""
     torch.manual_seed(0)
-    part = split_parts(MoETransformer(ARGS, activation_checkpoint=checkpoint), 2)[int(last)]
+    part = cut_layers(MoETransformer(ARGS, activation_checkpoint=checkpoint), 2)[int(last)]
     plain, fused = part, copy.deepcopy(part)
     (x0, x1), target = _microbatches(last)
     fx0, fx1 = (x.detach().requires_grad_() if last else x for x in (x0, x1))
@@ -199,7 +201,7 @@ def test_emulated_network_runs_a_groups_exchanges_in_order():
     (lambda: MoEArgs(capacity_factor=0), "capacity_factor must be > 0"),
     (lambda: EmulatedNetwork(latency_s=-1), "latency_s must be a finite number >= 0"),
     (lambda: EmulatedNetwork(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s must be > 0"),
-    (lambda: split_parts(MoETransformer(ARGS), 5), "cannot split 4 layers into 5 parts"),
+    (lambda: cut_layers(MoETransformer(ARGS), 5), "cannot cut 4 layers into 5 parts"),
     (lambda: MoETransformer(ARGS).layers["0"].moe.use_expert_parallel(types.SimpleNamespace(size=3, rank=0)),
      "num_experts=4 is not divisible by the expert-parallel size 3"),
     (lambda: MoETransformer(ARGS).layers["0"](torch.zeros(1, 2, ARGS.dim), segment="router"),
@@ -239,13 +241,6 @@ def test_a_leaf_shared_by_two_segments_is_refused():
 
 
 # -- 4 ranks: pp=2 x ep=2 -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S)
-    yield p
-    p.close(kill=True)  # the last test leaves the process groups broken
-
-
 def _check_numerics(results: list[dict], schedule: str, n: int, relay: bool = False, compiled: bool = False) -> None:
     assert all(r["grad_err"] <= cases.ATOL for r in results)
     twin_factor = 2 if schedule == "DualPipe" else 1  # both pipeline ends compute every loss
@@ -292,11 +287,11 @@ def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, sch
 
 @pytest.mark.parametrize("schedule,checkpoint", [("DualPipeV", True), ("DualPipe", "selective")],
                          ids=["DualPipeV-full_ac", "DualPipe-selective_ac"])
-def test_weights_in_flight_change_no_bit(pool, schedule, checkpoint):
+def test_weight_gemms_in_flight_change_no_bit(pool, schedule, checkpoint):
     """The relayed MoE pipeline (EP 2) under full and selective AC: full backwards compute their weight
-    GEMMs while their exchanges fly, or inline (``weights_in_flight=False``); both match the
+    GEMMs while their exchanges fly, or inline (``weight_gemms_in_flight=False``); both match the
     reference, and each other bit for bit."""
-    results = pool.run(cases.weights_in_flight_on_and_off, schedule=schedule, n=4, checkpoint=checkpoint)
+    results = pool.run(cases.weight_gemms_in_flight_on_and_off, schedule=schedule, n=4, checkpoint=checkpoint)
     assert all(r["bitwise_tensors"] > 0 for r in results), results
     assert all(r["in_flight"] > 0 for r in results), results
     assert sum(r["losses_checked"] for r in results) > 0, results
@@ -347,11 +342,8 @@ def test_failure_in_a_relayed_pair_surfaces_on_every_rank():
     """Rank 0 raises in the backward half of a relayed pair (its own pool: the failure
     breaks the process groups): the forward half stops at its next hand-over, rank 0 raises
     at once, every other rank within the process-group timeout."""
-    own = WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S)
-    try:
+    with WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S) as own:
         results = own.run(cases.failure_in_pair, relay=True, timeout_s=cases.GROUP_TIMEOUT_S + 60)
-    finally:
-        own.close(kill=True)
     assert all(r["raised"] for r in results), results
     assert any(line.startswith("InjectedFailure: injected failure in the backward half of a pair on rank 0")
                for line in results[0]["chain"]), results[0]
@@ -375,11 +367,8 @@ def test_failure_in_a_pair_surfaces_on_every_rank():
     """Rank 0 raises inside its first overlapped pair (its own pool: the failure leaves
     unmatched messages in the process groups): it raises that error at once, and every other
     rank stops with an error within the process-group timeout."""
-    own = WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S)
-    try:
+    with WorkerPool(WORLD, pg_timeout_s=cases.GROUP_TIMEOUT_S) as own:
         results = own.run(cases.failure_in_pair, timeout_s=cases.GROUP_TIMEOUT_S + 60)
-    finally:
-        own.close(kill=True)
     assert all(r["raised"] for r in results), results
     assert results[0]["chain"][0] == "InjectedFailure: injected failure in the forward half of a pair on rank 0"
     _others_stop_and_rank_2_names_rank_0(results)

@@ -176,14 +176,14 @@ def test_profile_compile_options_are_checked_before_spawning(extra, named, capsy
 
 
 def test_halves_give_f2_and_b2_from_the_action_that_ran_the_backward():
-    """Actions marked ``halves``: forwards give F2; B, a non-first stage's I and a chain-first
+    """Actions marked ``sub_batches``: forwards give F2; B, a non-first stage's I and a chain-first
     stage's W give B2 (the other of I and W ran nothing); F comes from F2 when every forward split."""
     place = placement("DualPipeV", 2, 4)
     pair = _Action(-1, OVERLAP_F_B, None, (_Action(1, F, 3), _Action(2, B, 1)))
     halves = [_event(_Action(1, F, 0), 0.8), _event(_Action(2, F, 0), 1.0), _event(_Action(2, B, 0), 1.5),
               _event(_Action(3, I, 0), 1.7), _event(_Action(3, W, 0), 1e-5),
               _event(_Action(0, I, 2), 1e-5), _event(_Action(0, W, 2), 1.9)]
-    timeline = [e._replace(halves=True) for e in halves] + [_event(_Action(1, B, 2), 2.0), _event(pair, 2.5)]
+    timeline = [e._replace(sub_batches=True) for e in halves] + [_event(_Action(1, B, 2), 2.0), _event(pair, 2.5)]
     costs = costs_from(timeline, place)
     assert (costs.F2, costs.B2, costs.F, costs.B, costs.overlapped) == (0.9, 1.7, 0.9, 2.0, 2.5)
 
@@ -212,7 +212,7 @@ def test_profile_two_batch_runs_lone_forwards_on_halves_without_raising_peak_mem
         runs[bool(extra)] = json.loads(capsys.readouterr().out)
     halves, whole = runs[True], runs[False]
     assert halves["two_batch"] and not whole["two_batch"] and "F2" not in whole["costs_s"]
-    assert halves["forwards_on_halves"] == {"measured": 10, "lone_in_order": 10}  # 5 per rank at pp=2
+    assert halves["forwards_in_sub_batches"] == {"measured": 10, "lone_in_order": 10}  # 5 per rank at pp=2
     assert halves["costs_s"]["F2"] > 0 and halves["costs_s"]["B2"] > 0 and halves["simulated_step_s"] > 0
     memory = halves["activation_memory"]
     assert memory["measured_over_simulated"] == pytest.approx([1.0, 1.0], rel=0.01), memory

@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-import pipeline_cases as cases
-import tp_cases
-from dist_pool import WorkerPool
+from cases import pipeline_cases as cases, tp_cases
+from cases.dist_pool import WorkerPool, ran as _ran
 from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders import compute_order, placement
-from titan_dualpipe.orders.two_batch import lone_forwards
+from titan_dualpipe.orders.lone_actions import lone_forwards
 
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(WORLD)
-    yield p
-    p.close()
-
-
-def _ran(results: list) -> list[dict]:
-    ran = [r for r in results if r is not None]
-    assert ran, "no rank ran the case"
-    return ran
+WORLD = 4  # the module's pool (tests/conftest.py)
 
 
 NUMERICS = [
@@ -243,12 +229,9 @@ GROUP_TIMEOUT_S = 10
 def test_a_killed_rank_is_named_by_every_other_rank(schedule, pp, n):
     """Pipeline rank 1 is killed mid-step: its neighbours lose the connection at once, the
     others wait at most the group timeout, and every one of them names rank 1."""
-    own = WorkerPool(WORLD, pg_timeout_s=GROUP_TIMEOUT_S)
-    try:
+    with WorkerPool(WORLD, pg_timeout_s=GROUP_TIMEOUT_S) as own:
         outcomes = own.outcomes(cases.killed_mid_step, timeout_s=GROUP_TIMEOUT_S + 90, schedule=schedule, pp=pp, n=n,
                                 victim=1, group_timeout_s=GROUP_TIMEOUT_S)
-    finally:
-        own.close(kill=True)
     assert outcomes[1][0] is False and "died" in outcomes[1][1], outcomes[1]
     for rank in (0, 2, 3):
         ok, result = outcomes[rank]

@@ -209,10 +209,10 @@ def test_two_batch_freeing_at_input_leaves_the_order_peak(schedule: str, pp: int
     """With two-batch overlap a split microbatch whose backward runs whole at its I is freed there,
     which torch's liveness rule (I never frees) does not model; the peak is the same either way,
     so ``profile --two-batch``'s count still compares with torch's."""
-    from titan_dualpipe.sim.two_batch import freed_at_input, split_actions
+    from titan_dualpipe.sim.sub_batch_costs import freed_at_input, sub_batch_actions
 
     order, place = compute_order(schedule, pp, n), placement(schedule, pp, n)
-    freed = freed_at_input(split_actions(order), place)
+    freed = freed_at_input(sub_batch_actions(order), place)
     # it applies wherever some I is not a chain-first stage's (not DualPipeV pp 1, DualPipe pp 2)
     assert bool(freed) == (pp > (2 if schedule == "DualPipe" else 1))
     ours = [count for count, _ in activation_counts(schedule, pp, n).values()]
@@ -432,11 +432,11 @@ def _by_action(result) -> dict[_Action, TimedAction]:
 
 def test_two_batch_costs_parse_scale_and_print() -> None:
     costs = parse_costs("F=1,B=2,F2=0.8,b2=1.6")
-    assert (costs.forward_in_halves, costs.backward_in_halves) == (0.8, 1.6)
+    assert (costs.forward_in_sub_batches, costs.backward_in_sub_batches) == (0.8, 1.6)
     assert costs.as_dict() == {"F": 1, "B": 2, "W": 1, "I": 1, "FB": 3, "F2": 0.8, "B2": 1.6}
     assert parse_costs(str(costs)).as_dict() == costs.as_dict() and str(costs).endswith("F2=0.8,B2=1.6")
     assert costs.scaled(0.5).as_dict()["F2"] == 0.4 and costs.scaled(0.5).B2 == 0.8
-    assert (Costs().forward_in_halves, Costs().backward_in_halves) == (1, 2)  # default: no gain
+    assert (Costs().forward_in_sub_batches, Costs().backward_in_sub_batches) == (1, 2)  # default: no gain
     assert "F2" not in Costs().as_dict()
 
 
@@ -448,19 +448,19 @@ def test_bad_two_batch_costs_name_the_value(text: str, named: str) -> None:
 
 @pytest.mark.parametrize("name, pp, n", [("DualPipeV", 2, 4), ("DualPipeV", 4, 10), ("DualPipe", 2, 4), ("DualPipe", 4, 12)])
 def test_two_batch_marks_exactly_the_lone_forwards_and_their_lone_backwards(name: str, pp: int, n: int) -> None:
-    from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
+    from titan_dualpipe.orders.lone_actions import lone_forwards, paired_backwards
 
     pipe = pipeline_for(name, pp, n)
     result = simulate(pipe, two_batch=True)
     for rank, actions in pipe.order.items():
-        marked = {e.action for e in result.timeline if e.rank == rank and e.halves}
+        marked = {e.action for e in result.timeline if e.rank == rank and e.sub_batches}
         lone = lone_forwards(actions)
         assert {(a.stage_index, a.microbatch_index) for a in marked if a.computation_type == F} == lone
         backwards = {a for a in actions if a.computation_type in (B, I, W)
                      and (a.stage_index, a.microbatch_index) in lone - paired_backwards(actions)}
         assert marked - {a for a in marked if a.computation_type == F} == backwards
         assert all(a.computation_type != OVERLAP_F_B for a in marked)  # pairs run as usual
-    assert not any(e.halves for e in simulate(pipe).timeline)
+    assert not any(e.sub_batches for e in simulate(pipe).timeline)
 
 
 def test_two_batch_backward_costs_b2_where_it_runs_whole() -> None:
@@ -477,7 +477,7 @@ def test_two_batch_backward_costs_b2_where_it_runs_whole() -> None:
     assert (duration(0, I, 2), duration(0, W, 2)) == (0.0, 1.5)  # chain-first stage
     assert duration(2, B, 0) == duration(1, B, 2) == 1.5 and duration(0, F, 0) == 0.7
     assert (duration(0, I, 3), duration(0, W, 3), duration(3, B, 2)) == (1, 1, 2)  # forward paired: whole
-    assert not timed[_Action(0, I, 3)].halves and timed[_Action(0, W, 2)].halves
+    assert not timed[_Action(0, I, 3)].sub_batches and timed[_Action(0, W, 2)].sub_batches
 
 
 def test_two_batch_makespan_drops_by_the_lone_forwards_on_the_critical_path() -> None:

@@ -13,7 +13,7 @@ why, is in docs/schedules.md#torchs-own-schedule-tests.
 
 Orders, CSVs and construction checks run in this process (a gloo group of one rank for the
 construction's agreement collective); training runs on the module's pool of 4 ranks
-(tests/torch_schedule_cases.py).
+(tests/cases/torch_schedule_cases.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch.distributed.pipelining.schedules import (
     _validate_schedule,
 )
 
-import torch_schedule_cases as cases
-from dist_pool import one_rank_process_group, ran
+from cases import torch_schedule_cases as cases
+from cases.dist_pool import one_rank_process_group, ran
 from titan_dualpipe import PipelineConfigError, ScheduleDualPipe, ScheduleDualPipeV, compute_order, placement
 from titan_dualpipe.orders.csv_io import load_csv
 from titan_dualpipe.orders.dryrun import dry_run
@@ -274,7 +274,7 @@ def test_zero_bubble_schedule_errors_with_compile(one_rank, schedule):
     model = torch.compile(cases.MLPChain(8, 2))
     stages = _stand_ins(2, 2 * pp, pp, submod=model)
     sched = SCHEDULES[schedule](stages, 2 * pp)
-    assert sched.whole_backward_stages == {s.stage_index for s in stages}
+    assert sched.weight_policy.whole_stages == {s.stage_index for s in stages}
     with pytest.raises(RuntimeError, match="needs exactly two stages per rank"):
         SCHEDULES[schedule](stages[:1], 2 * pp)
     if schedule == "DualPipeV":

@@ -12,21 +12,13 @@ import os
 import pytest
 import torch
 
-import pipeline_cases as cases
-from dist_pool import WorkerPool
+from cases import pipeline_cases as cases
 from titan_dualpipe import _compat, bootstrap, compute_order, placement
 from titan_dualpipe._compat import pipelining
 from titan_dualpipe.orders.dryrun import dry_run
 from titan_dualpipe.orders.lowering import lower
 
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(WORLD)
-    yield p
-    p.close()
+WORLD = 4  # the module's pool (tests/conftest.py)
 
 
 def test_one_supported_range_everywhere():
@@ -137,7 +129,7 @@ def _split_backward_grads(block: torch.nn.Module, x: torch.Tensor, grad: torch.T
 def test_torchs_split_backward_still_refuses_compiled_blocks():
     """torch.compile'd blocks in torch's split backward (pytorch#161904) still fail or give other
     gradients than plain autograd on this torch: why our schedules run a compiled stage's
-    backward whole at I (runtime/split_backward.py). Should a torch split them, measure with
+    backward whole at I (weights/plan.py). Should a torch split them, measure with
     ``titan-dualpipe bench compile`` whether the split pays before using it."""
     import copy
 

@@ -1,5 +1,5 @@
 """Two-batch overlap's pieces in one process: splitting a microbatch's inputs (tensors and
-flex-attention block masks), joining the halves' outputs, the schedule option, the orders rule,
+flex-attention block masks), joining the sub-batches' outputs, the schedule option, the orders rule,
 and a lone forward run as a relay (thread-local state, random numbers)."""
 
 from __future__ import annotations
@@ -13,29 +13,30 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from titan_dualpipe._compat.pipelining import B, F, OVERLAP_F_B, _Action
-from titan_dualpipe.orders.two_batch import lone_forwards, paired_backwards
-from titan_dualpipe.overlap.two_batch import join_halves, run_forward_in_halves, split_batch
+from titan_dualpipe.orders.lone_actions import lone_forwards, paired_backwards
+from titan_dualpipe.overlap.sub_batches import join_sub_batches, run_forward_in_sub_batches, split_into_sub_batches
 from titan_dualpipe.overlap.relay import hand_over
-from titan_dualpipe.runtime.two_batch import two_batch_stages
-from titan_dualpipe.runtime.split_backward import SplitDecisions
+from titan_dualpipe.runtime.sub_batch_runner import two_batch_stages
+from titan_dualpipe.weights.plan import BackwardPlan
+from titan_dualpipe.weights.queue import WeightGradQueue
 
 
-def test_split_batch_splits_what_has_the_batch_and_passes_the_rest():
+def test_split_into_sub_batches_splits_what_has_the_batch_and_passes_the_rest():
     x, positions, freqs = torch.arange(30.0).view(3, 10), torch.arange(30).view(3, 10), torch.ones(10, 4)
-    sizes, halves = split_batch((x, freqs), {"positions": positions, "scale": 2})
+    sizes, sub_batches = split_into_sub_batches((x, freqs), {"positions": positions, "scale": 2})
     assert sizes == [2, 1]
-    for (args, kwargs), rows in zip(halves, (slice(0, 2), slice(2, 3)), strict=True):
+    for (args, kwargs), rows in zip(sub_batches, (slice(0, 2), slice(2, 3)), strict=True):
         assert torch.equal(args[0], x[rows]) and args[1] is freqs
         assert torch.equal(kwargs["positions"], positions[rows]) and kwargs["scale"] == 2
 
 
 def test_a_batch_of_one_is_not_split():
-    assert split_batch((torch.ones(1, 8),), {}) is None
-    assert split_batch((torch.tensor(3.0),), {}) is None
+    assert split_into_sub_batches((torch.ones(1, 8),), {}) is None
+    assert split_into_sub_batches((torch.tensor(3.0),), {}) is None
 
 
-def test_block_mask_halves_mask_as_the_whole_does_for_their_rows():
-    """A document mask reads the batch index: each half's mask_mod must read its rows' documents
+def test_block_mask_sub_batches_mask_as_the_whole_does_for_their_rows():
+    """A document mask reads the batch index: each sub-batch's mask_mod must read its rows' documents
     (torch's own slicing leaves a mask_mod that refuses to run)."""
     seq = 256
     documents = torch.stack([torch.arange(seq) // 64, torch.arange(seq) // 100, torch.arange(seq) // 32, torch.zeros(seq, dtype=torch.long)])
@@ -44,21 +45,21 @@ def test_block_mask_halves_mask_as_the_whole_does_for_their_rows():
         return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
 
     whole = create_block_mask(document_causal, 4, None, seq, seq, device="cpu")
-    _, halves = split_batch((torch.zeros(4, seq), whole), {})
-    for (args, _), rows in zip(halves, (slice(0, 2), slice(2, 4)), strict=True):
-        half = args[1]
-        assert torch.equal(half.kv_num_blocks, whole.kv_num_blocks[rows])
+    _, sub_batches = split_into_sub_batches((torch.zeros(4, seq), whole), {})
+    for (args, _), rows in zip(sub_batches, (slice(0, 2), slice(2, 4)), strict=True):
+        sub_batch = args[1]
+        assert torch.equal(sub_batch.kv_num_blocks, whole.kv_num_blocks[rows])
         want = create_mask(document_causal, 4, 1, seq, seq, device="cpu")[rows]
-        assert torch.equal(create_mask(half.mask_mod, 2, 1, seq, seq, device="cpu"), want)
+        assert torch.equal(create_mask(sub_batch.mask_mod, 2, 1, seq, seq, device="cpu"), want)
 
 
-def test_join_halves_concatenates_and_refuses_outputs_without_the_batch():
+def test_join_sub_batches_concatenates_and_refuses_outputs_without_the_batch():
     a, b = torch.ones(2, 3), torch.zeros(1, 3)
-    joined, record = join_halves([(a, "tag"), (b, "tag")], [2, 1])
+    joined, record = join_sub_batches([(a, "tag"), (b, "tag")], [2, 1])
     assert torch.equal(joined[0], torch.cat([a, b])) and joined[1] == "tag"
-    assert record.halves == ([a], [b]) and record.sizes == [2, 1]
-    with pytest.raises(ValueError, match=r"shape \(\) for a half batch of 2 rows.*two_batch_overlap=False"):
-        join_halves([torch.tensor(1.0), torch.tensor(2.0)], [2, 1])
+    assert record.sub_batches == ([a], [b]) and record.sizes == [2, 1]
+    with pytest.raises(ValueError, match=r"shape \(\) for a sub-batch of 2 rows.*two_batch_overlap=False"):
+        join_sub_batches([torch.tensor(1.0), torch.tensor(2.0)], [2, 1])
 
 
 def test_schedule_option_is_checked():
@@ -80,8 +81,8 @@ def test_lone_forwards_are_the_forwards_outside_pairs():
     assert paired_backwards(order) == {(2, 0)}
 
 
-def test_the_record_keeps_no_half_output_alive():
-    """The concatenation saves nothing for its backward: the record holds the halves' outputs by
+def test_the_record_keeps_no_sub_batch_output_alive():
+    """The concatenation saves nothing for its backward: the record holds the sub-batches' outputs by
     their place in the graph, so only the joined stage output stays in memory."""
     import gc
     import weakref
@@ -91,17 +92,17 @@ def test_the_record_keeps_no_half_output_alive():
     x = torch.ones(3, 4, requires_grad=True)
     a, b = x[:2] * 2, x[2:] * 3
     alive = weakref.ref(a)
-    joined, record = join_halves([a, b], [2, 1])
+    joined, record = join_sub_batches([a, b], [2, 1])
     del a, b
     gc.collect()
-    assert alive() is None and all(isinstance(root, GradientEdge) for half in record.halves for root in half)
-    torch.autograd.backward(record.halves[0] + record.halves[1], list(torch.ones_like(joined).split([2, 1])))
+    assert alive() is None and all(isinstance(root, GradientEdge) for sub_batch in record.sub_batches for root in sub_batch)
+    torch.autograd.backward(record.sub_batches[0] + record.sub_batches[1], list(torch.ones_like(joined).split([2, 1])))
     assert torch.equal(x.grad, torch.tensor([[2.0] * 4, [2.0] * 4, [3.0] * 4]))
 
 
 class _HandsOverMidForward(torch.nn.Module):
     """Linear, dropout, a hand-over (where an expert-parallel exchange would post), linear, dropout.
-    Records what each half ran: the thread, the generator state it started from, the output
+    Records what each sub-batch ran: the thread, the generator state it started from, the output
     dtype and dropout masks."""
 
     def __init__(self, width: int = 4, p: float = 0.0) -> None:
@@ -124,29 +125,29 @@ def _forward_in_halves(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.
     """A lone forward of ``module`` on ``x`` through the runtime's two-batch path (split, relay,
     join), the executor reduced to what that path reads; the joined output and its record."""
     outputs: list = []
-    executor = SimpleNamespace(stages={0: SimpleNamespace(submod=module)}, halves={}, split=SplitDecisions(set()),
+    executor = SimpleNamespace(stages={0: SimpleNamespace(submod=module)}, sub_batches={}, plan=BackwardPlan("split", frozenset(), frozenset(), set(), WeightGradQueue()),
                                run_forward=lambda action: outputs.append(module(x)))
-    run_forward_in_halves(executor, _Action(0, F, 0))
-    return outputs[0], executor.halves[(0, 0)]
+    run_forward_in_sub_batches(executor, _Action(0, F, 0))
+    return outputs[0], executor.sub_batches[(0, 0)]
 
 
-def test_relayed_halves_run_in_the_callers_autocast():
-    """Under CPU autocast both halves compute in bfloat16 (the second one on the relay's helper
+def test_relayed_sub_batches_run_in_the_callers_autocast():
+    """Under CPU autocast both sub-batches compute in bfloat16 (the second one on the relay's helper
     thread), so the joined output has the dtype the next stage's receive is sized for."""
     torch.manual_seed(0)
     module = _HandsOverMidForward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         joined, _ = _forward_in_halves(module, torch.randn(2, 4))
-    assert len({run["thread"] for run in module.runs}) == 2  # the second half ran on the helper thread
+    assert len({run["thread"] for run in module.runs}) == 2  # the second sub-batch ran on the helper thread
     assert [run["dtype"] for run in module.runs] == [torch.bfloat16] * 2 and joined.dtype == torch.bfloat16
     module.runs.clear()
     joined, _ = _forward_in_halves(module, torch.randn(2, 4))  # outside autocast, on the same helper thread
     assert [run["dtype"] for run in module.runs] == [torch.float32] * 2 and joined.dtype == torch.float32
 
 
-def test_saved_tensor_hooks_a_forward_pre_hook_enters_apply_to_both_halves():
+def test_saved_tensor_hooks_a_forward_pre_hook_enters_apply_to_both_sub_batches():
     """A forward pre-hook enters saved-tensor hooks (a forward hook leaves them), as activation
-    offloading and memory meters do: what the second half saves on the helper thread is packed too."""
+    offloading and memory meters do: what the second sub-batch saves on the helper thread is packed too."""
     torch.manual_seed(0)
     module = _HandsOverMidForward()
     packed: list[int] = []
@@ -164,10 +165,10 @@ def test_saved_tensor_hooks_a_forward_pre_hook_enters_apply_to_both_halves():
     assert x.grad is not None
 
 
-def test_relayed_halves_draw_their_own_dropout_masks():
-    """Each half draws from a stream of its own: the first exactly what it draws as the first of the
-    two halves run one after the other, the second what it draws alone from its own stream's start,
-    none of the first half's masks; the generators end where the first half ended."""
+def test_relayed_sub_batches_draw_their_own_dropout_masks():
+    """Each sub_batch draws from a stream of its own: the first exactly what it draws as the first of the
+    two sub-batches run one after the other, the second what it draws alone from its own stream's start,
+    none of the first sub-batch's masks; the generators end where the first sub-batch ended."""
     module = _HandsOverMidForward(width=64, p=0.5)
     x = torch.randn(2, 64)
     torch.manual_seed(0)
@@ -179,7 +180,7 @@ def test_relayed_halves_draw_their_own_dropout_masks():
     assert first["thread"] != second["thread"]
     assert all(torch.equal(a, b) for a, b in zip(first["masks"], first_alone["masks"], strict=True))
     assert torch.equal(torch.get_rng_state(), end_of_first)
-    # none of the first half's masks (the second half's first mask was the first half's second one)
+    # none of the first sub-batch's masks (the second sub-batch's first mask was the first sub-batch's second one)
     assert not any(torch.equal(a, b) for a in second["masks"] for b in first["masks"])
     torch.set_rng_state(second["rng"])
     module(x[1:])

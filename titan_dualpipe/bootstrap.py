@@ -5,16 +5,12 @@
     python3 titan_dualpipe/bootstrap.py --torch 2.11.0 test -m "not titan_e2e"
     python3 titan_dualpipe/bootstrap.py --torchtitan 0.3.0 train debug_dualpipev --nproc 2
 
-Without options the environment is ``.venv`` with torchtitan 0.2.2: a torch already in it is
-kept if it is in the supported range (``pyproject.toml``), a venv without torch gets
-``torch==2.13.0`` (the CPU build), and a torch outside the range stops with a message naming
-the range. ``--torch X`` uses ``.venv-torchX`` with exactly ``torch==X`` (a CUDA build from
-the registry for versions other than 2.13.0; it runs on CPU too). ``--torchtitan 0.3.0`` uses
-``.venv-torch2.15.0-torchtitan0.3.0`` (with ``--torch X``: ``.venv-torchX-torchtitan0.3.0``),
-torchtitan 0.3.0 and torch 2.15.0, the newest torch it is tested with. An exact torch is installed
-past a machine-wide pip constraint that caps torch lower. Everything else comes from
-``pyproject.toml``; downloads stay in pip's cache, so a second environment of the same torch
-installs quickly.
+Without options the environment is ``.venv`` with torchtitan 0.2.2: a torch already in it is kept
+if it is in the supported range (``pyproject.toml``), a venv without torch gets ``torch==2.13.0``
+(the CPU build), and a torch outside the range stops with a message naming the range. ``--torch X``
+uses ``.venv-torchX`` with exactly ``torch==X``; ``--torchtitan 0.3.0`` uses
+``.venv-torch2.15.0-torchtitan0.3.0`` (torchtitan 0.3.0 with torch 2.15.0). Everything else comes
+from ``pyproject.toml``; more in docs/development.md#bootstrap.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE 
 WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "deferred_compiled", "split" or "whole"
 NOT_DEFERRED_ENV = "TITAN_DUALPIPE_NOT_DEFERRED"  # comma-separated module names / fnmatch patterns kept out of deferral
 COUNT_GROUPS_ENV = "TITAN_DUALPIPE_COUNT_GROUPS"  # "0": token counts on the expert-parallel group's communicator; unset or "1": their own
-WEIGHTS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT"  # "0": a full backward computes its weight GEMMs inline; unset or "1": while its exchanges fly
+WEIGHT_GEMMS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT"  # "0": a full backward computes its weight GEMMs inline; unset or "1": while its exchanges fly
+OLD_WEIGHTS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT"  # the same, under its deprecated name
 
 # what ``bench titan`` passes to its trainer processes (:mod:`titan_dualpipe.titan.bench_probe`)
 BENCH_DIR_ENV = "TITAN_DUALPIPE_BENCH_DIR"  # where each rank writes its record; unset: no probe
@@ -20,5 +21,5 @@ COUNT_HAND_OVER_ENV = "TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER"  # "1": hand over b
 
 # tests
 CPU_STAND_IN_ENV = "TITAN_DUALPIPE_GPU_TESTS_ON_CPU"  # "1": tests/gpu run on CPU/gloo (the GPU kit never sets it)
-TEST_PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"  # folder: tests/titan_probe.py records each rank's schedule there
-TEST_KILL_ENV = "TITAN_DUALPIPE_TEST_KILL"  # "RANK:N": tests/titan_probe.py makes that rank SIGKILL itself at its N-th forward
+TEST_PROBE_ENV = "TITAN_DUALPIPE_TEST_PROBE_DIR"  # folder: tests/cases/titan_probe.py records each rank's schedule there
+TEST_KILL_ENV = "TITAN_DUALPIPE_TEST_KILL"  # "RANK:N": tests/cases/titan_probe.py makes that rank SIGKILL itself at its N-th forward

@@ -13,7 +13,6 @@ import contextlib
 import copy
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,15 +28,17 @@ from titan_dualpipe._compat.stage_init import runnable_on_gloo
 from titan_dualpipe.check.numerics import ATOL, RTOL, batch, build_pipeline, reference_step, train_and_compare
 from titan_dualpipe.orders.csv_io import write_csv
 from titan_dualpipe.orders.lowering import lower
-from titan_dualpipe.orders.two_batch import lone_forwards
+from titan_dualpipe.orders.lone_actions import lone_forwards
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
 from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm, PendingAllToAll
-from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_parallel, split_parts
+from titan_dualpipe.cut import cut_layers
+from titan_dualpipe.overlap.moe import MoE, MoEArgs, MoETransformer, expert_parallel
 from titan_dualpipe.runtime.comm_record import CommRecorder
-from titan_dualpipe.runtime.two_batch import register_exchange_rule
+from titan_dualpipe.runtime.sub_batch_runner import register_exchange_rule
 from titan_dualpipe.switches import CPU_STAND_IN_ENV
 from titan_dualpipe.testing.model import lm_loss
+from titan_dualpipe.testing.spawn import free_port
 
 ON_CPU = os.environ.get(CPU_STAND_IN_ENV) == "1"
 pytestmark = pytest.mark.skipif(not (ON_CPU or torch.cuda.is_available()),
@@ -51,10 +52,7 @@ def world_of_one():
     """This process as a one-rank group (NCCL on the GPU)."""
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     if DEVICE.type == "cuda":
         torch.cuda.set_device(DEVICE)
         dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE,
@@ -141,8 +139,8 @@ class _Relayed(MoETransformer):
     """The MoE module without its protocol: pairs and two-batch halves run as a relay."""
 
     overlapped_forward_backward = None
-    overlapped_halves_forward = None
-    overlapped_halves_backward = None
+    overlapped_sub_batches_forward = None
+    overlapped_sub_batches_backward = None
 
 
 @dataclass(eq=False)
@@ -171,7 +169,7 @@ def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int, two
     (on the GPU: a sleep kernel on a side stream), so pairs interleave at real waits."""
     torch.manual_seed(0)
     reference = module_cls(MOE, activation_checkpoint=checkpoint)
-    parts = split_parts(copy.deepcopy(reference), 2)
+    parts = cut_layers(copy.deepcopy(reference), 2)
     comm = _OneRankExchanges(None, EmulatedNetwork(latency_s=5e-4))
     for part in parts:
         expert_parallel(part, comm)
@@ -373,8 +371,9 @@ def test_deferred_weight_gemms_on_the_device():
     """Deferred weight GEMMs where autograd runs a CUDA backward on its own device thread: an
     ``nn.Linear`` and grouped expert GEMMs (``torch._grouped_mm``; bfloat16 on the GPU) queue their
     weight gradient during the backward inside ``collecting`` and give autograd's at W."""
-    from titan_dualpipe.runtime.deferred_gemms import DeferringExpertGemms
-    from titan_dualpipe.runtime.deferred_weights import WeightGradQueue, install
+    from titan_dualpipe.weights.experts import DeferringExpertGemms
+    from titan_dualpipe.weights.install import install
+    from titan_dualpipe.weights.queue import WeightGradQueue
 
     dtype = torch.float32 if ON_CPU else torch.bfloat16
     torch.manual_seed(0)
@@ -418,7 +417,8 @@ def test_deferred_weight_gemms_under_the_devices_autocast(dtype):
     """Deferred weight GEMMs under the device's autocast (CUDA's float16 default and bfloat16), with a
     tensor hook on each weight: the GEMMs run in autocast's dtype, each weight's gradient lands in
     its own dtype through autograd (the hook sees it once, whole), equal to plain autocast's."""
-    from titan_dualpipe.runtime.deferred_weights import WeightGradQueue, install
+    from titan_dualpipe.weights.install import install
+    from titan_dualpipe.weights.queue import WeightGradQueue
 
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(DEVICE)

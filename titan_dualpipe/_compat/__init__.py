@@ -1,20 +1,10 @@
 """The one place that touches torch's private pipelining names and their version differences, and
 that wraps the private FSDP2, autograd, compile and c10d internals the package relies on.
 
-The rest of the package never branches on the torch version: what differs across the supported
-range is adapted in the modules below, and the package imports torch's private names from them,
-each from the module of its concern (this file re-exports none of them):
-
-- ``pipelining``: torch's pipelining IR and runtime (actions, lowering passes, p2p, stage
-  classes, split backward), and the flags of the torch problems we work around
-- ``stage_init``: stage initialisation per release (metadata inference, warm-up messages)
-- ``fsdp``: FSDP2's parameter groups and post-forward, composable DDP ``replicate``
-- ``autograd``: autograd and thread state (private thread-local state, backward detection,
-  checkpoint regions seen, a module's forward replaced)
-- ``compile``: ``torch.compile``'s backends and donated buffers
-- ``c10d``: functional collectives, the default store, C++ stacks on a fatal signal
-
-This file holds the supported torch range (:data:`SUPPORTED_TORCH`), checked at import.
+The rest of the package never branches on the torch version: it imports torch's private names from
+the module of their concern (``pipelining``, ``stage_init``, ``fsdp``, ``autograd``, ``compile``,
+``c10d``: docs/architecture.md#layout); this file re-exports none of them. It holds the supported
+torch range (:data:`SUPPORTED_TORCH`), checked at import.
 """
 
 from __future__ import annotations

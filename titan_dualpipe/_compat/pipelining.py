@@ -2,24 +2,13 @@
 shorthands, torch's lowering passes and batched p2p, the stage classes, the split backward, and the
 flags of the torch problems we work around. Read against torch 2.11.0, 2.13.0, 2.14.1, 2.15.0.
 
-What differs across the range, and what we do about it:
-
-- ``defer_pp_recv`` and ``loss_kwargs`` are torch keywords from 2.13 on; ours implement both
-  themselves on every version (:func:`schedule_kwargs`).
-- Pre-split microbatches (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) arrived in
-  2.14; our schedules own ``step()`` and accept them on every version.
-- torch problems we work around, each with a flag here and a test that shows, per version,
-  whether torch's own path is still wrong (``tests/test_torch_versions.py``):
-  :data:`TORCH_DEFER_RECV_OPS` (reorders receives from one peer; absent before 2.13),
-  :data:`SPLIT_BACKWARD_NEEDS_UNSHARD` (nested FSDP2 loses weight grads in a split backward),
-  :data:`STATIC_METADATA_DROPS_INPUT_GRADS` (static stage metadata loses input gradients)
-  and torch's single-chain send/recv lowering (``_add_send_recv``; DualPipe has two chains).
-- 2.15: each REDUCE_GRAD has a WAIT_REDUCE_GRAD (FSDP2 can reduce asynchronously), a stage keeps a
-  forward's state in ``_forward_chunk_states`` (was ``fwd_cache``) and may drop sent outputs
-  (``release_fwd_send_outputs``), the FSDP lowering takes an ``unshard_lookahead``:
-  :func:`add_reduce_grad`, :func:`forward_states`, :func:`release_sent_outputs`,
-  :func:`add_unshard_reshard` serve every release. 2.15 also added an activation-liveness
-  analysis of a schedule's order, which :func:`torch_activation_slots` calls (None before).
+Across the range: ``defer_pp_recv`` and ``loss_kwargs`` (torch keywords from 2.13) and pre-split
+microbatches (2.14) are ours on every version (:func:`schedule_kwargs`); each torch problem we work
+around has a flag here, checked per version by ``tests/test_torch_versions.py``
+(docs/numerics.md#torch-problems-handled); 2.15's WAIT_REDUCE_GRAD, ``_forward_chunk_states``,
+``release_fwd_send_outputs`` and ``unshard_lookahead`` are served on every release by
+:func:`add_reduce_grad`, :func:`forward_states`, :func:`release_sent_outputs` and
+:func:`add_unshard_reshard`, and its activation-liveness analysis by :func:`torch_activation_slots`.
 """
 
 from __future__ import annotations
@@ -58,6 +47,8 @@ try:  # 2.12+: static/dynamic stage metadata inference
 except ImportError:  # 2.11: shapes are inferred by a p2p exchange at initialisation
     InferenceMode = None  # type: ignore[assignment,misc]
 
+# torch's receive deferral reorders receives from one peer; ours keeps per-peer order (torch's is
+# what tests/test_torch_versions.py checks)
 try:  # 2.13+
     from torch.distributed.pipelining.schedules import _defer_recv_ops as TORCH_DEFER_RECV_OPS
 except ImportError:  # torch has no receive deferral before 2.13

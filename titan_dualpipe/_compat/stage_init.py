@@ -2,17 +2,12 @@
 (shape inference, static metadata, the vote on it) and the warm-up messages between neighbour
 stages. Read against torch 2.11.0, 2.13.0, 2.14.1, 2.15.0.
 
-What differs across the range, and what we do about it:
-
-- Stage metadata. 2.11 infers shapes with a p2p exchange in ``_initialize_stages(args,
-  kwargs)``; 2.12 added static/dynamic metadata inference (``InferenceMode``, a vote in
-  ``_warmup_p2p``, ``_initialize_stages(args, kwargs, target)``), 2.13 its ``loss_kwargs``.
-  :func:`initialize_stages` calls whichever exists; ``pipelining.HAS_METADATA_VOTE`` says whether
-  the vote runs (our DualPipe replaces it before 2.15, see ``ScheduleDualPipe._vote_inference_mode``).
-- The start-up: ``_warmup_p2p(stages, has_backward, p2p_done)`` to 2.14,
-  ``_initialize_pipeline_distributed_state(stages, has_backward, initialize_p2p)`` from 2.15
-  (the vote one all-reduce, p2p pairs connected up front): :func:`with_start_up` installs a
-  schedule's ``_start_up`` under this torch's name, :func:`torch_start_up` calls torch's own.
+- Stage metadata: 2.11 infers shapes with a p2p exchange, 2.12 added static/dynamic inference and
+  a vote on it, 2.13 ``loss_kwargs``: :func:`initialize_stages` calls whichever exists
+  (``pipelining.HAS_METADATA_VOTE``: whether the vote runs).
+- The start-up, ``_warmup_p2p`` to 2.14, ``_initialize_pipeline_distributed_state`` from 2.15:
+  :func:`with_start_up` installs a schedule's ``_start_up`` under this torch's name,
+  :func:`torch_start_up` calls torch's own.
 - Warm-up messages from a rank to itself, which gloo rejects (2.11; traced stages on 2.12-2.14):
   :func:`warm_up_neighbours` leaves them out; 2.15 sends none.
 """

@@ -1,27 +1,13 @@
 """``titan-dualpipe bench backward``: three ways to leave a stage's weight gradient to W, per AC mode.
 
-Per microbatch of one stage of ``--blocks`` blocks (TinyLM attention + MLP, or torchtitan's
-Llama 3 debug blocks with ``--model titan``), under each activation-checkpointing mode
-(``none``, ``full``, ``selective``: attention and every second matmul saved, as torchtitan's op
-policy):
-
-- ``deferred``: one autograd pass at I, each ``nn.Linear``'s weight GEMM queued and run at W
-  (:mod:`titan_dualpipe.runtime.deferred_weights`, the schedules' default);
-- ``torch split``: ``stage_backward_input`` at I (``retain_graph``), ``stage_backward_weight`` at W;
-- ``whole``: the full backward at I, W nothing.
-
-The full backward each path is compared with is a plain ``loss.backward()`` of the same stage
-(same weights, same AC mode, nothing installed), timed beside it in every round.
-
-Printed per path: I and W seconds, (I + W) / full backward (the same mode's plain
-``loss.backward()``), W / I, checkpointed-region recomputations per microbatch and block at I and
-at W (counted: block forwards run inside a backward), the peak of live tensor bytes over forward,
-I and W, the bytes held from I to W (what W frees), and the process's minor page faults per
-microbatch in I + W and in the full backward: on the CPU, memory a path holds longer makes the
-allocator take fresh pages from the OS, and each first touch costs a fault (a GPU's caching
-allocator reuses its blocks instead). Paths are timed in paired rounds (each
-round runs every path, in a rotated order); ratios are taken within a round, medians printed.
-Memory and recomputations come from one more untimed microbatch per path.
+Per microbatch of one stage of ``--blocks`` blocks (TinyLM attention + MLP, or torchtitan's Llama 3
+debug blocks with ``--model titan``), under each activation-checkpointing mode (``none``, ``full``,
+``selective``): ``deferred`` (one autograd pass at I, each ``nn.Linear``'s weight GEMM queued and
+run at W: the schedules' default), ``torch split`` (``stage_backward_input`` at I,
+``stage_backward_weight`` at W) and ``whole`` (the full backward at I, W nothing), each against a
+plain ``loss.backward()`` of the same stage timed beside it in paired rounds. Printed per path:
+times and ratios, checkpointed-region recomputations, live tensor bytes, the bytes held from I to
+W and minor page faults. The columns: benchmarks/README.md#bench-backward.
 """
 
 from __future__ import annotations
@@ -38,7 +24,8 @@ from torch import nn
 
 from ..cli import HelpFormatter
 from .stage_options import check_stage_sizes, emit
-from ..runtime.deferred_weights import WeightGradQueue, install
+from ..weights.install import install
+from ..weights.queue import WeightGradQueue
 from ..runtime.timeline import clock_for, span_seconds
 from ..testing.memory import LiveTensorBytes
 from ..testing.model import AC_MODES, Block, checkpoint_block

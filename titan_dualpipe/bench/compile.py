@@ -1,30 +1,14 @@
 """``titan-dualpipe bench compile``: what a torch.compile'd stage's backward costs split into I and W.
 
-Our schedules run a compiled stage's backward whole at its I and make its W a no-op by default
-(``runtime/split_backward.py``); with ``weight_gradients="deferred_compiled"`` the compiled
-backward runs once at I with the blocks' weight GEMMs queued for W (``runtime/deferred_weights.py``:
-a custom operator the compiled graph keeps opaque). torch's split of a compiled graph
-(``stage_backward_input``, then ``stage_backward_weight``, possible only with
-``donated_buffer = False``) runs the compiled backward a second time. Per microbatch of one
-stage of ``--blocks`` blocks:
-
-- ``full``: a plain full backward of the stage (``loss.backward()``);
-- ``runtime``: I and W as our runtime runs them by default, read from the recorded timeline of a
-  one-process ``ScheduleDualPipeV`` (stage 0 an eager linear layer, stage 1 the blocks) whose
-  order runs ``1I`` and ``1W`` once per microbatch (compiled: whole at I; eager: deferred GEMMs);
-- ``deferred_compiled``: the same pipeline with ``weight_gradients="deferred_compiled"``, on a
-  copy of the stage (compiled: one compiled backward at I, its weight GEMMs at W; eager: the
-  runtime's default again);
-- ``torch split``: ``stage_backward_input`` then ``stage_backward_weight`` on the stage (for the
-  compiled kind, on a copy compiled and run with ``donated_buffer = False``, restored after).
-
-Compiled and eager (the control: there the runtime splits the backward as torch does) are
-measured in paired, interleaved rounds; ratios are taken within a round, then their medians
-over rounds are printed. Each variant's compiled backward calls per microbatch are counted
-once more after the timed rounds (profiler event ``CompiledFunctionBackward``).
-
-``--device cuda`` measures on the GPU (a one-rank NCCL group; every time from CUDA events on the
-compute stream, resolved once per variant and round, as the runtime's timeline is on a GPU).
+Our schedules run a compiled stage's backward whole at its I by default (its W does nothing);
+``weight_gradients="deferred_compiled"`` runs it once at I with the blocks' weight GEMMs queued for
+W; torch's split (``stage_backward_input``, then ``stage_backward_weight``, possible only with
+``donated_buffer = False``) runs the compiled backward twice. Per microbatch of one stage of
+``--blocks`` blocks: ``full`` (a plain backward), ``runtime`` (I and W as our runtime runs them, read
+from a one-process ``ScheduleDualPipeV``'s timeline), ``deferred_compiled`` and ``torch split``,
+each compiled and eager (the control), in paired, interleaved rounds (medians of per-round ratios).
+``--device cuda`` times on the GPU with CUDA events. More: benchmarks/README.md#bench-compile and
+docs/compile.md.
 """
 
 from __future__ import annotations
@@ -243,7 +227,7 @@ class _Kind:
                 "torch split": self.torch_split}[name]
 
 
-SPLIT_RANGES = {"I": "split:I", "W": "split:W"}  # profiler ranges around torch's split halves
+SPLIT_RANGES = {"I": "split:I", "W": "split:W"}  # profiler ranges around the two parts of torch's split backward
 
 
 def backward_calls_at(counts: dict[str, int], stage_index: int = 1) -> dict[str, int]:

@@ -1,34 +1,13 @@
 """``titan-dualpipe bench overlap``: what overlapping MoE all-to-all in DualPipeV pairs saves.
 
-``--pp P --ep E`` processes (default 2 x 2; rank ``r``: pipeline rank ``r // E``,
-expert-parallel index ``r % E``); each pipeline trains
-:class:`~titan_dualpipe.overlap.moe.MoETransformer` on its own data, each pipeline rank's
-E processes split the experts. Every all-to-all pays an emulated network cost: on the CPU a
-sleep (no CPU), with ``--device cuda`` a sleep kernel on a side stream of the GPU (one GPU
-per process, NCCL), which the compute stream waits for only at the exchange's wait; with
-``--ep 1`` nothing is exchanged but the time still passes. Unless set with ``--latency-ms`` /
-``--bandwidth-gbps``, the cost is calibrated: all ranks time one block's forward and
-backward (while all of them compute, so CPU contention is included), and the cost of one
-exchange is set to ``--comm-ratio`` times a quarter of that, i.e. a block's four exchanges
-cost ``comm-ratio`` times its compute (half latency, half bandwidth). The default, 1, is
-DeepSeek-V3's compute:communication ratio. When more single-threaded processes than cores
-compute at once (4 on a 2-core machine), contention, not the exchanges, bounds the
-overlapped step time; ``--pp 1 --ep 2`` there (or a GPU) measures the overlap itself.
-
-Schedules, on the same model and batches: our ScheduleDualPipeV with ``overlap=True`` (the
-module's protocol; and, unless ``--no-relay``, the module without it, run as a relay), both
-again with ``two_batch_overlap=True`` (lone forwards and their lone backwards on two halves of
-their 2-row microbatch), and ``overlap=False``, torch's ScheduleDualPipeV and ScheduleZBVZeroBubble (and, with
-``--dualpipe``, our ScheduleDualPipe both ways; with ``--compile BACKEND``, our V schedule again
-with every block compiled in place as torchtitan compiles them: overlapped, as a relay, and
-sequential; the exchanges stay outside the compiled graphs). Rounds are paired: each round times a few
-steps of every schedule in a rotated order; medians over rounds are reported. Exposed
-communication is the time spent blocked in all-to-all waits (on a GPU: the compute stream's
-stall, from CUDA events), per step, averaged over ranks. The CPU bound is all processes' CPU
-seconds per step over the usable cores: no schedule finishes a step sooner on this machine
-(CPU runs only). Every run charges the same bytes of exchanges (printed per step, all ranks,
-with the exchange counts: two-batch halves post more, smaller ones). With ``--device cuda`` the default sizes are larger (dim 1024, seq 1024), so that
-a block's kernels, not their launches, take the time, and the figures name the GPU.
+``--pp P --ep E`` processes train :class:`~titan_dualpipe.overlap.moe.MoETransformer` on the same
+model and batches under each schedule: our ScheduleDualPipeV with overlap (through the module's
+protocol, and as a relay) and without, both overlapped runs again with two-batch overlap, torch's
+ScheduleDualPipeV and ScheduleZBVZeroBubble, and on request our ScheduleDualPipe and compiled
+blocks. Every all-to-all pays an emulated network's cost (a sleep on the CPU, a sleep kernel on
+a GPU's side stream), calibrated against a block's compute. Paired rotated rounds give step time,
+exposed communication, the CPU bound and, on the CPU, each run's exposure next to its floor.
+The runs, the emulated network, every column and JSON key: benchmarks/README.md#bench-overlap.
 """
 
 from __future__ import annotations
@@ -45,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..cli import HelpFormatter
+from ..exposure.record import (STEP_KEYS, ExposureRecorder, StepTrace, pair_exposure, start_recording, step_exposure,
+                               stop_recording)
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
-from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from ..cut import cut_layers
+from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel
 from ..testing.model import compile_blocks, lm_loss
 from ..testing.spawn import run_on_processes
 
@@ -83,6 +65,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                    help="also time the blocks torch.compile'd in place (overlap, relay, sequential)")
     p.add_argument("--no-relay", dest="relay", action="store_false",
                    help="skip the overlap_relay run (the module without its protocol)")
+    p.add_argument("--per-pair", action="store_true",
+                   help="also print each pair of rank 0's last step: measured, in order, floor and 1F1B exposure")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.set_defaults(func=run)
 
@@ -184,12 +168,12 @@ def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict
 
 class RelayedMoETransformer(MoETransformer):
     """The same module without its overlap protocols: the runtime overlaps its pairs (and
-    two-batch halves) as a relay switching halves at the exchanges, as it does for
+    two-batch sub-batches) as a relay switching at the exchanges, as it does for
     torchtitan's MoE blocks."""
 
     overlapped_forward_backward = None
-    overlapped_halves_forward = None
-    overlapped_halves_backward = None
+    overlapped_sub_batches_forward = None
+    overlapped_sub_batches_backward = None
 
 
 @dataclass
@@ -216,7 +200,7 @@ class _Parts:
 
     def v_modules(self, relay: bool = False, compile_backend: str | None = None) -> dict[int, MoETransformer]:
         """A fresh copy of this rank's two DualPipeV parts (the same model split again), by stage."""
-        parts = split_parts(self.model, 2 * self.pp)
+        parts = cut_layers(self.model, 2 * self.pp)
         return {s: self.ready(parts[s], relay, compile_backend) for s in (self.pp_rank, 2 * self.pp - 1 - self.pp_rank)}
 
     def dualpipe_modules(self, n: int) -> dict[int, MoETransformer]:
@@ -224,7 +208,7 @@ class _Parts:
         from .. import placement
 
         place = placement("DualPipe", self.pp, n)
-        parts = split_parts(self.model, self.pp)
+        parts = cut_layers(self.model, self.pp)
         return {s: self.ready(parts[place.model_part(s)]) for s in place.stages_of(self.pp_rank)}
 
     def stages(self, modules: dict[int, MoETransformer]) -> list:
@@ -306,16 +290,22 @@ def _dualpipe_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
 
 
 def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelComm,
-                 modules: Callable[[], list]) -> tuple[float, float, float, list[float]]:
+                 modules: Callable[[], list], record: ExposureRecorder | None = None,
+                 traces: list[StepTrace] | None = None) -> tuple[float, float, float, list[float]]:
     """Per step on this rank: seconds, seconds blocked in all-to-all waits, CPU seconds
-    (all threads of the process, gloo's included), exchanges charged [forward, backward]."""
+    (all threads of the process, gloo's included), exchanges charged [forward, backward]; with
+    ``record``, each step's trace of pairs and exchanges is appended to ``traces``."""
     device = x.device
     _sync(device)
     dist.barrier()
     comm.stats.reset()
+    if record is not None:
+        record.take()  # what ran before (the barrier, the previous run's last clean-up) is no step's
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         schedule.step(x, target=y) if feeds else schedule.step()
+        if record is not None and traces is not None:
+            traces.append(record.take())
         for m in modules():
             m.zero_grad(set_to_none=True)
     _sync(device)
@@ -324,6 +314,22 @@ def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelCo
                comm.stats.charged_bytes / steps]
     dist.barrier()
     return (time.perf_counter() - start) / steps, waited / steps, cpu / steps, charged
+
+
+def _exposure(traces: dict[str, list[list[StepTrace]]], device: torch.device) -> dict[str, dict[str, float]]:
+    """Per run: each of :data:`STEP_KEYS` per step (mean over a round's steps, median over rounds),
+    mean over ranks. The exchanges of this emulator fly on their own (no queue)."""
+    names = list(traces)
+    medians = [[statistics.median(statistics.mean(step_exposure(t)[key] for t in steps) for steps in traces[name])
+                for key in STEP_KEYS] for name in names]
+    values = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return {name: dict(zip(STEP_KEYS, row, strict=True)) for name, row in zip(names, values.tolist(), strict=True)}
+
+
+def _per_pair(step: StepTrace) -> list[dict[str, float]]:
+    return [vars(pair_exposure(pair)) for pair in step.pairs]
 
 
 def _worker(cfg: dict) -> dict:
@@ -344,16 +350,25 @@ def _worker(cfg: dict) -> dict:
 
     for name in names:  # warm-up: shape inference, allocator
         _timed_steps(*schedules[name], x, y, 1, comm, modules_of(name))
+    # The floor needs the host's clock to time the segments: CPU runs only (a GPU's kernels run
+    # behind the host, on streams the recorder does not see).
+    record = start_recording() if _device().type == "cpu" else None
     step_s: dict[str, list[float]] = {name: [] for name in names}
     exposed: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     charged: dict[str, list[float]] = {}  # the same every round
-    for r in range(cfg["rounds"]):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t, w, c, charged[name] = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name))
-            step_s[name].append(t)
-            exposed[name].append(w)
-            cpu[name].append(c)
+    traces: dict[str, list[list[StepTrace]]] = {name: [] for name in names}  # per round, per step
+    try:
+        for r in range(cfg["rounds"]):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                traces[name].append([])
+                t, w, c, charged[name] = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name),
+                                                      record, traces[name][-1])
+                step_s[name].append(t)
+                exposed[name].append(w)
+                cpu[name].append(c)
+    finally:
+        stop_recording()
     device = _device()
     charged_total = torch.tensor([charged[name] for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(charged_total)
@@ -366,7 +381,9 @@ def _worker(cfg: dict) -> dict:
             "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)),
             "cpu_seconds": dict(zip(names, cpu_total.tolist(), strict=True)),
             "charged": dict(zip(names, charged_total.tolist(), strict=True)), "network": settings,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "exposure": _exposure(traces, device) if record is not None else None,
+            "pairs": {name: _per_pair(traces[name][-1][-1]) for name in names} if record is not None else None}
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -394,6 +411,9 @@ def measure(cfg: dict) -> dict:
     if cfg["dualpipe"]:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
                                                     / result["step_time_dualpipe_sequential"])
+    if raw["exposure"] is not None:  # s/step: measured, floor, 1F1B (every exchange exposed); by pairs and lone halves
+        result["exposure"] = raw["exposure"]
+        result["pairs_last_step_rank0"] = raw["pairs"]
     result["network"] = raw["network"]
     if raw["gpu"] is not None:
         result["gpu"] = raw["gpu"]
@@ -422,6 +442,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"emulated network ({how}): latency {net['latency_ms']:.3f} ms, bandwidth {net['bandwidth_gbps']:.4f} GB/s "
           f"-> {net['exchange_ms']:.2f} ms per all-to-all ({net['exchange_remote_bytes']} remote bytes)")
     _print_table(result, cpu=cfg["device"] == "cpu")
+    if "exposure" in result:
+        print()
+        print(exposure_table(result["exposure"]))
+        if args.per_pair:
+            print()
+            print(per_pair_table(result["pairs_last_step_rank0"]))
+        print()
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     print(f"with two-batch overlap / without: step time {result['two_batch_vs_overlap']:.3f}, exposed comm "
@@ -431,6 +458,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"compiled blocks ({cfg['compile']}), over compiled sequential: "
               f"overlap {result['compiled_overlap_vs_sequential']:.3f}{relay}")
     return 0
+
+
+def exposure_table(exposure: dict[str, dict[str, float]]) -> str:
+    """Measured exposure, its floor and 1F1B's side by side, per run (seconds per step, mean over
+    ranks), in all and split into pairs and lone halves."""
+    width = max(26, *(len(name) + 2 for name in exposure))
+    lines = [
+        "exposed all-to-all, s/step, mean over ranks: measured (blocked in waits); late (of it, past the emulated "
+        "time: a peer posting late, a sleep woken late); floor (each pair's halves in the order that exposes least, from the run's own "
+        "segment and exchange times; lone halves: every exchange but what their own compute covers); 1F1B (every "
+        "exchange exposed); in order: the pairs' measured segments in the order they ran",
+        f"{'schedule':<{width}}{'measured':>9}{'late':>8}{'floor':>8}{'1F1B':>8}{'floor/1F1B':>11}{'meas/1F1B':>10}"
+        f"{'pairs: meas':>12}{'late':>8}{'in order':>9}{'floor':>8}{'1F1B':>8}{'lone: meas':>11}{'late':>8}"
+        f"{'floor':>8}"]
+    for name, e in exposure.items():
+        share = (lambda v: f"{v / e['serial']:.2f}") if e["serial"] else (lambda v: "-")
+        lines.append(f"{name:<{width}}{e['measured']:>9.4f}{e['late']:>8.4f}{e['floor']:>8.4f}{e['serial']:>8.4f}"
+                     f"{share(e['floor']):>11}{share(e['measured']):>10}{e['pairs_measured']:>12.4f}"
+                     f"{e['pairs_late']:>8.4f}{e['pairs_in_order']:>9.4f}{e['pairs_floor']:>8.4f}"
+                     f"{e['pairs_serial']:>8.4f}{e['lone_measured']:>11.4f}{e['lone_late']:>8.4f}"
+                     f"{e['lone_floor']:>8.4f}")
+    return "\n".join(lines)
+
+
+def per_pair_table(pairs: dict[str, list[dict[str, float]]]) -> str:
+    """Each pair of rank 0's last step, per run with pairs: exposure in ms."""
+    lines = ["each pair of rank 0's last step, exposed all-to-all in ms: measured (late) / in order / floor / 1F1B"]
+    for name, rows in pairs.items():
+        if rows:
+            lines.append(f"{name}: " + "  ".join(f"{p['measured'] * 1e3:.1f} ({p['late'] * 1e3:.1f})/"
+                                                 f"{p['in_order'] * 1e3:.1f}/{p['floor'] * 1e3:.1f}/"
+                                                 f"{p['serial'] * 1e3:.1f}" for p in rows))
+    return "\n".join(lines)
 
 
 def _print_table(result: dict, cpu: bool) -> None:

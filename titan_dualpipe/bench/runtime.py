@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..cli import HelpFormatter
-from ..testing.model import TinyLM, lm_loss, split_model
+from ..cut import cut_layers
+from ..testing.model import TinyLM, lm_loss
 from ..testing.spawn import run_on_processes
 
 OURS = ("DualPipeV", "DualPipeV sequential", "DualPipe")  # sequential: overlap=False
@@ -58,7 +59,7 @@ def _schedule(name: str, model: TinyLM, n: int, rank: int):
         "ZBVZeroBubble": ScheduleZBVZeroBubble, "Interleaved1F1B": ScheduleInterleaved1F1B,
     }
     num_stages = 2 * PP
-    parts = split_model(model, PP if name == "DualPipe" else num_stages)
+    parts = cut_layers(model, PP if name == "DualPipe" else num_stages)
     stages = []
     for s in _stage_ids(name, rank):
         part = parts[s % PP] if name == "DualPipe" else parts[s]

@@ -2,45 +2,13 @@
 training under each pipeline schedule, in paired rotated rounds.
 
 Every run is ``titan-dualpipe train CONFIG`` with the schedule (and our overlap switch)
-overridden, measured inside the trainer (:mod:`titan_dualpipe.titan.bench_probe`): seconds per
-training step after ``--warmup`` steps (the slowest rank's, median over steps and rounds),
-tokens per second (all data-parallel replicas), peak memory (CUDA: torch's allocated peak; CPU:
-the process's resident peak), the expert all-to-all time left exposed per step (mean over
-ranks), and where a step's time goes (``phases``: the pipeline step, split for our schedules
-into compute, pipeline p2p, FSDP gathers and reductions and DualPipe's twin exchange; then
-gradient clipping, the optimizer step and the rest). On a GPU the step, its phases and the
-exposed time are timed with CUDA events on the compute stream (the host only queues the kernels),
-resolved with one synchronize after each step; on the CPU with the host clock. Each round runs
-every schedule once, each round in a rotated order, so drifts of the machine fall on all
-schedules alike.
-
-Emulated network (CPU): each expert all-to-all costs ``R`` times the compute it is compared
-with, as in ``bench overlap``: a first 1F1B run times every MoE block's forward and backward,
-and each of a block's four exchanges (dispatch and combine, forward and backward) then takes
-``R * block / 4`` at the least. ``R = 1`` is DeepSeek-V3's ratio; ``R = 0`` adds nothing.
-torch's own ``ScheduleDualPipeV`` is the name ``TorchDualPipeV`` here (ours took "DualPipeV");
-it runs its overlapped pairs one after the other. The emulated network runs each communicator's
-exchanges in order (one queue per process group). A token-count exchange (a few integers) runs
-on its own communicator (:mod:`titan_dualpipe.overlap.count_groups`; ``... shared count comm``
-on request puts it back on the expert-parallel group's) and costs the latency alone: reading the
-counts, right after posting them as torchtitan does, waits for that latency and for the count
-exchanges posted before it. ``... counts handed over`` (on request) hands over to the partner
-half between posting and reading them, for comparison (:mod:`titan_dualpipe.titan.expert_overlap`).
-
-The count exchange's wait counts as exposed on both devices alike: the wait for the counts and
-their copy to the host (on a GPU the host waits on the pinned copy's event,
-:mod:`titan_dualpipe.overlap.count_read`, and the CUDA events around the read hold that stall).
-
-``DualPipeV W at I`` / ``DualPipe W at I`` (on request) run each backward whole at its I with
-W a no-op (``TITAN_DUALPIPE_WEIGHT_GRADIENTS=whole``), beside the default that defers the weight
-GEMMs to W: pass torchtitan's activation-checkpointing overrides (e.g. ``--activation_checkpoint.mode
-full``; 0.3.0: ``activation-checkpoint:full`` last) to compare them under each AC mode.
-
-``--compile`` adds each schedule compiled (torchtitan's ``compile.enable`` with ``"model"`` and
-``"loss"``: each transformer block compiled in place, inductor) next to it in every round, and
-the table gives its step time against the eager run's (``vs eager``: eager s/step over compiled
-s/step). Compilation falls in the warm-up steps; the runs share one inductor cache (set
-``TORCHINDUCTOR_CACHE_DIR`` to keep it), so only the first compiled run builds its kernels.
+overridden, measured inside the trainer (:mod:`titan_dualpipe.titan.bench_probe`): step time,
+tokens per second, peak memory, the expert all-to-all left exposed (by the kind of action that
+waited; on the CPU next to its floor) and where a step's time goes. On the CPU each expert
+exchange costs an emulated network's time, ``R`` times the compute it is compared with. Each
+round runs every schedule once, in a rotated order, so drifts of the machine fall on all alike.
+The schedules, the variants on request, the emulated network, every column and JSON key:
+benchmarks/README.md#bench-titan.
 """
 
 from __future__ import annotations
@@ -60,7 +28,7 @@ from typing import Any
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
 from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_GROUPS_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV,
-                        TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHTS_IN_FLIGHT_ENV)
+                        TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -76,9 +44,9 @@ class Variant:
     count_hand_over: bool = False  # True: a hand-over between posting the token-count exchange and reading it
     count_groups: bool = True  # False: the token counts on the expert-parallel group's communicator
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
-    two_batch: bool = False  # True: lone forwards of MoE stages run in halves (needs microbatches of >= 2 rows)
+    two_batch: bool = False  # True: lone forwards of MoE stages run as two sub-batches (needs microbatches of >= 2 rows)
     weight_gradients: str | None = None  # our schedules' weight_gradients (None: the config's, deferred by default)
-    weights_in_flight: bool = True  # False: a full backward computes its weight GEMMs inline, not while its exchanges fly
+    weight_gemms_in_flight: bool = True  # False: a full backward computes its weight GEMMs inline, not while its exchanges fly
 
 
 VARIANTS = (
@@ -101,15 +69,15 @@ VARIANTS = (
     # each backward whole at I (W a no-op): what deferring the weight GEMMs to W gains, e.g. under AC
     Variant("DualPipeV W at I", "DualPipeV", overlap=True, weight_gradients="whole"),
     Variant("DualPipe W at I", "DualPipe", overlap=True, weight_gradients="whole"),
-    # a full backward's weight GEMMs inline, before each exchange is posted (runtime/in_flight.py)
-    Variant("DualPipeV W inline", "DualPipeV", overlap=True, weights_in_flight=False),
-    Variant("DualPipe W inline", "DualPipe", overlap=True, weights_in_flight=False),
+    # a full backward's weight GEMMs inline, before each exchange is posted (weights/in_flight.py)
+    Variant("DualPipeV W inline", "DualPipeV", overlap=True, weight_gemms_in_flight=False),
+    Variant("DualPipe W inline", "DualPipe", overlap=True, weight_gemms_in_flight=False),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
 DEFAULT_LABELS = [v.label for v in VARIANTS
                   if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups
-                          or not v.weights_in_flight)]
+                          or not v.weight_gemms_in_flight)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -219,7 +187,7 @@ class Launcher:
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
                TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0",
-               WEIGHTS_IN_FLIGHT_ENV: "1" if variant.weights_in_flight else "0"}
+               WEIGHT_GEMMS_IN_FLIGHT_ENV: "1" if variant.weight_gemms_in_flight else "0"}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)
@@ -256,7 +224,7 @@ def summarize(runs: list[list[dict]], warmup: int) -> dict[str, float]:
             for kind, values in by_kind.items():
                 values.append(statistics.mean(r["exposed_by_action"][step].get(kind, 0.0) for r in records))
     step_time = statistics.median(step_s)
-    return {
+    out = {
         "step_time": step_time,
         "tokens_per_s": runs[0][0]["tokens_per_step"] / step_time,
         "peak_memory_bytes": max(r["peak_memory_bytes"] for records in runs for r in records),
@@ -264,6 +232,21 @@ def summarize(runs: list[list[dict]], warmup: int) -> dict[str, float]:
         # seconds per step by the kind of our action the wait fell in (mean over ranks, median over steps)
         "exposed_by_action": {kind: statistics.median(values) for kind, values in by_kind.items()},
     }
+    if all("exposure" in r for records in runs for r in records):  # CPU runs: the floor (titan/bench_probe.py)
+        out["exposure"] = exposure_summary(runs, warmup)
+    return out
+
+
+def exposure_summary(runs: list[list[dict]], warmup: int) -> dict[str, float]:
+    """Seconds per step of each exposure key the ranks recorded (measured, late, floor, 1F1B's
+    every exchange exposed; in pairs and lone halves): mean over ranks, median over measured steps."""
+    keys = runs[0][0]["exposure"][0].keys() if runs[0][0]["exposure"] else ()
+    values: dict[str, list[float]] = {key: [] for key in keys}
+    for records in runs:
+        for step in range(warmup, len(records[0]["exposure"])):
+            for key, per_step in values.items():
+                per_step.append(statistics.mean(r["exposure"][step][key] for r in records))
+    return {key: statistics.median(v) for key, v in values.items() if v}
 
 
 PHASES = ("schedule", "compute", "p2p", "fsdp_gather", "fsdp_reduce", "twin_sum", "clip", "optimizer", "other")
@@ -335,7 +318,32 @@ def format_table(result: dict[str, Any]) -> str:
     for label, phases in result.get("phases", {}).items():
         lines.append(f"{label:<{width}}" + "".join(f"{phases[p] * 1e3:>12.0f}" if p in phases else f"{'-':>12}"
                                               for p in PHASES))
-    return "\n".join(lines + _exposed_by_action_table(schedules, width))
+    return "\n".join(lines + _exposed_by_action_table(schedules, width) + _floor_table(schedules, width))
+
+
+def _floor_table(schedules: dict[str, dict[str, Any]], width: int) -> list[str]:
+    """Measured exposure, its floor and 1F1B's side by side (CPU runs), ms per step."""
+    rows = {label: s["exposure"] for label, s in schedules.items() if s.get("exposure")}
+    if not rows:
+        return []
+    one_f_one_b = schedules.get("1F1B", {}).get("exposed_comm")
+    lines = ["", "exposed all-to-all against its floor, ms per step, mean over ranks: measured (blocked in waits; "
+             "late: of it, past the emulated time); floor (each pair's halves in the order that exposes least, from "
+             "the run's own segment and exchange times; lone halves: every exchange but what their own compute "
+             "covers); 1F1B: its run's measured exposure; all: this run's exchanges all exposed; in order: the "
+             "pairs' measured segments in the order they ran",
+             f"{'schedule':<{width}}{'measured':>9}{'late':>7}{'floor':>7}{'1F1B':>7}{'all':>7}{'floor/1F1B':>11}"
+             f"{'meas/1F1B':>10}{'pairs: meas':>12}{'late':>7}{'in order':>9}{'floor':>7}{'lone: meas':>11}"
+             f"{'late':>7}{'floor':>7}"]
+    for label, e in rows.items():
+        share = (lambda v: f"{v / one_f_one_b:.2f}") if one_f_one_b else (lambda v: "-")
+        reference = f"{one_f_one_b * 1e3:>7.0f}" if one_f_one_b is not None else f"{'-':>7}"
+        lines.append(f"{label:<{width}}{e['measured'] * 1e3:>9.0f}{e['late'] * 1e3:>7.0f}{e['floor'] * 1e3:>7.0f}"
+                     f"{reference}{e['serial'] * 1e3:>7.0f}{share(e['floor']):>11}{share(e['measured']):>10}"
+                     f"{e['pairs_measured'] * 1e3:>12.0f}{e['pairs_late'] * 1e3:>7.0f}"
+                     f"{e['pairs_in_order'] * 1e3:>9.0f}{e['pairs_floor'] * 1e3:>7.0f}"
+                     f"{e['lone_measured'] * 1e3:>11.0f}{e['lone_late'] * 1e3:>7.0f}{e['lone_floor'] * 1e3:>7.0f}")
+    return lines
 
 
 # "pair F" / "pair B": a relayed pair's forward / backward half waited (for its own exchange, while

@@ -1,43 +1,13 @@
 """``titan-dualpipe check --nproc N [--backend nccl|gloo]``: the numerics suite on this machine.
 
-Runs every schedule and layout that fits N processes (DualPipeV on every pp dividing N,
-DualPipe on every even one, the rest of the processes as FSDP2 data parallelism; plus
-deferred receives with sequential pairs at the largest pp) and checks, on every rank, every
-microbatch loss and every parameter gradient against a non-pipelined reference over two
-steps with an Adam step between (DualPipe's twins bit-identical), that every tensor handed
-to a collective lives on the stages' device, and that the communication each rank posted
-completes under NCCL's semantics (no buffering). Prints one row per case.
-
-NCCL's communicators depend on how the process group was initialised, and the order is judged
-under the model the run used (printed above the table): ``--backend nccl`` binds each rank's
-GPU (``init_process_group(device_id=...)``): eager init, one communicator per process group
-that runs every op of the group, lone p2p ops included, in issue order. Without a bound device
-(torchtitan's way) NCCL uses lazy init: lone p2p ops on two-rank communicators created at
-their first use. Under gloo (no NCCL) the order must complete under both.
-
-With ``--backend nccl`` rank r uses GPU r (N <= the GPUs of this machine); with gloo the
-processes run on the CPU.
-
-A case that fails on some ranks only is a FAIL row, and the next case still runs; the exit
-status is 1 when any case failed.
-
-How failures are contained:
-
-- After each case every rank gathers every rank's result over the world group, so all agree
-  on the row; it names the failing ranks and gives their messages in the order they failed.
-- Each case runs on process groups of its own (its device mesh is built on them), created
-  for it with a timeout of ``CASE_TIMEOUT_S`` and destroyed after it.
-- Every rank builds its stages, then all agree over the world group (one all-reduce of a
-  flag) before the schedule's constructor, the case's first communication: a rank that
-  failed before any traffic stops every rank there.
-- A numerics mismatch never stops a rank early (see :mod:`.numerics`): all ranks post the
-  same communication whatever they find.
-- A rank that raises mid-step leaves its peers blocked in the case's p2p or collectives;
-  the failed rank cannot complete them. Under gloo the peers' waits fail (when the failed
-  rank's connections close as it destroys the case's groups, at the latest after the
-  groups' timeout, which is shorter than the world's), so the run goes on to the next case.
-  Under NCCL nothing releases a blocked kernel: after the groups' timeout the watchdog
-  aborts the run, which then ends with an error instead of hanging.
+Runs every schedule and layout that fits N processes (DualPipeV on every pp dividing N, DualPipe
+on every even one, the other processes as FSDP2 data parallelism) and checks, on every rank, every
+microbatch loss and parameter gradient against a non-pipelined reference, that every tensor handed
+to a collective lives on the stages' device, and that the communication each rank posted completes
+under NCCL's semantics (the communicator model that judged it is printed above the table). With
+``--backend nccl`` rank r uses GPU r; with gloo the processes run on the CPU. One row per case; a
+case that fails on some ranks only is a FAIL row and the next case still runs; the exit status is
+1 when any case failed. More: docs/numerics.md#check.
 """
 
 from __future__ import annotations
@@ -277,7 +247,14 @@ def _outcome(case: Case, everyone: list[dict[str, Any]], backend: str = "gloo") 
 
 def _worker(cases: list[Case], backend: str, fault: Fault | None = None,
             case_timeout_s: float = CASE_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Every case on this rank; the outcomes, the same on every rank."""
+    """Every case on this rank; the outcomes, the same on every rank.
+
+    A failure stays in its case: after each case every rank gathers every rank's result, so all
+    agree on its row; a case runs on process groups of its own (:func:`_case_groups`), and all
+    ranks agree before its first communication (:class:`_Ready`); a numerics mismatch never stops
+    a rank early (:mod:`.numerics`). A rank that raises mid-step strands its peers in the step's
+    traffic: under gloo their waits fail by the groups' timeout (``case_timeout_s``, shorter than
+    the world's); under NCCL the watchdog then aborts the run, an error instead of a hang."""
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     outcomes = []
     with warnings.catch_warnings():
@@ -292,7 +269,7 @@ def _worker(cases: list[Case], backend: str, fault: Fault | None = None,
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("check", help="run the numerics suite on N local processes (GPUs or CPU)",
-                              description=__doc__.partition("\nHow failures")[0], formatter_class=HelpFormatter)
+                              description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--nproc", type=int, required=True, help="number of processes (with nccl: one GPU each)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="nccl (default when this machine has N GPUs) or gloo (CPU)")

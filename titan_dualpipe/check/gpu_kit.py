@@ -1,31 +1,15 @@
 """``titan-dualpipe gpu-kit REPORT.md [--parts ...] [--dry-run]``: everything one GPU can prove,
-in one command, written up as a short Markdown report.
+written up as a short Markdown report.
 
-Parts (``--dry-run`` prints their command lines):
-
-- ``tests/gpu``: the GPU test suite (pytest), NCCL in a group of one rank: DualPipeV's two
-  stages on one rank, overlapped pairs (protocol and relay), two-batch overlap splitting its lone
-  microbatches (the MoE module's emulated exchanges, counted), FSDP2, CSV orders, device timing;
-- ``check``: ``check --nproc 1 --backend nccl --compile inductor``, the numerics suite (with
-  inductor-compiled blocks too);
-- ``bench overlap``: ``bench overlap --device cuda --pp 1 --ep 1 --compile inductor``, the
-  overlap benchmark (compiled rows too);
-- ``bench compile``: ``bench compile --device cuda``, a stage's backward split into I and W
-  against its full backward, eager and inductor-compiled: (I+W)/full on the GPU;
-- ``train``: torchtitan trains the llama3 debug model through our DualPipeV on one GPU. NCCL
-  refuses two ranks on one GPU, so one GPU is one rank: ``pipeline_parallel_degree`` 1, where
-  DualPipeV is a V of two stages on that rank (torchtitan itself pipelines only above 1; the
-  adapter builds this V, :func:`titan_dualpipe.titan.pipeline.install_one_rank_v`). The part
-  fails unless the trainer logged our schedule with its two stages;
-- ``bench titan``: the same one-GPU V under ``bench titan``: its step, phases (our executor's
-  compute among them) and exposed communication timed with CUDA events.
-
-Each part runs as a subprocess in a session of its own, with a timeout: a hang stops that part
-(its process group is terminated) and the next part runs. A part passes when it exits 0 and its
-output shows what it must (``Part.must_show``). Output goes to ``REPORT_logs/``. The exit status
-is 1 when any part failed. Without CUDA the command says so and exits 2. The parts' timeouts add
-up to more than one 10-minute session; ``--parts`` runs a subset, e.g. ``tests/gpu,check,bench
-overlap`` then ``bench compile,train,bench titan``.
+Parts (``--dry-run`` prints their command lines): ``tests/gpu`` (the GPU test suite), ``check``
+(the numerics suite, inductor-compiled blocks too), ``bench overlap``, ``bench compile``, ``train``
+(torchtitan's llama3 debug model through our DualPipeV, a V of two stages on the one rank) and
+``bench titan`` (the same run, timed with CUDA events). Each part runs as a subprocess in a session
+of its own, with a timeout: a hang stops that part and the next one runs. A part passes when it
+exits 0 and its output shows what it must (``Part.must_show``); output goes to ``REPORT_logs/``.
+The exit status is 1 when any part failed, 2 without CUDA. The parts' timeouts add up to more than
+one 10-minute session: ``--parts`` runs a subset, e.g. ``tests/gpu,check,bench overlap`` then
+``bench compile,train,bench titan``. More: docs/numerics.md#the-gpu-tests-and-the-gpu-kit.
 """
 
 from __future__ import annotations

@@ -2,15 +2,11 @@
 pipelining, trained end to end on the CPU with the installed torchtitan.
 
 Each cell trains a debug model a few steps under one layout (pp 2 times FSDP, HSDP, tensor
-parallel with and without loss parallel, expert parallel, expert x tensor parallel: 0.2.2's
-expert tensor parallelism, 0.3.0's tensor-parallel dense layers beside expert-parallel experts) with
-DualPipeV or DualPipe (twins folded into FSDP or summed by an exchange), from a seed checkpoint
-(the same initial weights under any layout), and compares its logged losses and grad norms with a
-reference: torch's 1F1B from the same checkpoint on the layout without the cell's extra axis
-where that axis leaves every rank's data unchanged (tensor, loss and expert parallelism), and on
-the same layout where the axis is the data split itself (FSDP, HSDP: without it the ranks would
-read other samples). A cell passes when every step's loss and grad norm is within ``rel`` of the
-reference's. Layouts the CPU cannot run (context parallelism) are listed with the reason.
+parallel with and without loss parallel, expert parallel, expert x tensor parallel) with DualPipeV
+or DualPipe (twins folded into FSDP or summed by an exchange), from a seed checkpoint, and passes
+when every step's loss and grad norm is within ``rel`` of torch's 1F1B from the same checkpoint
+(on which layout: docs/compatibility.md#composed-with-other-parallelisms). Layouts the CPU cannot
+run (context parallelism) are listed with the reason.
 
     titan-dualpipe matrix                 # every cell the installed torchtitan supports
     titan-dualpipe matrix --only tp       # cells whose layout name contains "tp"

@@ -25,7 +25,8 @@ from .. import ScheduleDualPipe, ScheduleDualPipeV, placement
 from .._compat.compile import compiler_fn
 from .._compat.pipelining import _format_pipeline_order
 from ..orders import Placement
-from ..testing.model import TinyLM, compile_blocks, lm_loss, split_model
+from ..cut import cut_layers
+from ..testing.model import TinyLM, compile_blocks, lm_loss
 
 SCHEDULES: dict[str, type] = {"DualPipeV": ScheduleDualPipeV, "DualPipe": ScheduleDualPipe}
 RTOL, ATOL = 1e-5, 4e-5
@@ -105,7 +106,7 @@ def build_pipeline(schedule: str, pp: int, n: int, group: dist.ProcessGroup | No
     place = placement(schedule, pp, n)
     n_parts = place.num_stages if schedule == "DualPipeV" else pp
     full_model = TinyLM(vocab=VOCAB, dim=16, layers=max(n_parts, 2), heads=2)
-    parts = split_model(full_model, n_parts)
+    parts = cut_layers(full_model, n_parts)
     # in model-part order: full-tensor gathers of folded twins then run in the same order on every rank
     modules = {s: copy.deepcopy(parts[place.model_part(s)]).to(device)
                for s in sorted(place.stages_of(pp_rank), key=place.model_part)}

@@ -25,6 +25,7 @@ from .._compat.pipelining import (
     add_unshard_reshard,
     reduce_grad_actions,
 )
+from . import identify_order
 from .dataflow import input_source, output_destination, receive_for
 from .placement import Placement
 
@@ -66,8 +67,6 @@ def validate_order(order: dict[int, list[_Action | None]], place: Placement) -> 
 
 def _what_it_fits(order: dict[int, list[_Action | None]], place: Placement) -> str:
     """Which schedule and sizes the order was made for, when it is one of ours, and the fix."""
-    from . import identify_order  # the package's order builders import this module
-
     fits = identify_order(order)
     if fits is None:
         return ""
@@ -139,7 +138,7 @@ def lower(
     FSDP actions go where torch puts them (UNSHARD before a stage's first action, RESHARD after
     its last, REDUCE_GRAD after its last backward, on torch 2.15+ with its WAIT_REDUCE_GRAD right
     after it or, ``defer_reduce_grad_wait``, before the next reduction or at the end), or, with
-    ``fsdp_at_step_edges``, all at the step's edges in model-part order (:func:`fsdp_at_step_edges`).
+    ``fsdp_at_step_edges``, all at the step's edges in model-part order (:func:`_fsdp_at_step_edges`).
     ``max_active_stages`` and ``unshard_lookahead`` are torch's (:func:`unshard_lookaheads`).
     """
     validate_order(order, place)

@@ -1,39 +1,14 @@
 """Does a per-rank sequence of posted communication complete under NCCL's semantics?
 
-gloo buffers a send until its receive is posted, so an order can run on CPU and still hang on
-GPUs. This model has no buffering. Each rank posts *kernels* (one ``isend``/``irecv``, one
-``batch_isend_irecv`` group, or one collective) on a *communicator*; each (rank, communicator)
-runs its kernels one after the other (NCCL's stream), and a rank's ``wait`` on a kernel makes
-everything that rank posts afterwards wait for that kernel (the compute stream waits on it, and
-later kernels wait on the compute stream). Posting never blocks, except where it creates a
-communicator (below).
-
-- A point-to-point op completes when it and its match are both running: the n-th send from
-  ``a`` to ``b`` on a communicator matches the n-th receive at ``b`` from ``a`` on it (FIFO).
-- The ops of one kernel progress together; the kernel ends when all of them completed.
-- A collective completes when every member's matching collective (the n-th on that
-  communicator) is running.
-- Communicators are created lazily (NCCL without eager init, as torchtitan runs it): a rank's
-  first kernel on a communicator blocks that rank's host (it posts nothing more) until every
-  member of the communicator has reached its own first kernel on it, as
-  ``ncclCommInitRank`` is a collective over the members. Members: the two ranks of a pair
-  communicator; for a group's communicator the ranks named by ``Post.members``, else those of
-  its collectives and the ranks posting on it. ``check_completes(trace, created=...)`` names
-  communicators that exist before the trace (``communicators(trace)``: all of them).
-
-Which communicator torch uses (lazy init): a ``batch_isend_irecv`` group, collectives and
-functional collectives (``torch.ops._c10d_functional``) use the process group's own communicator
-(one FIFO per rank for all its peers); a lone ``isend``/``irecv`` uses a two-rank communicator
-per pair of ranks of the group (torch 2.13+ posts all-send or all-receive batches that way).
-:func:`check_completes` raises :class:`Deadlock` naming what every stuck rank waits for.
-
-Eager init (``init_process_group(device_id=...)``, as ``titan-dualpipe check --backend nccl``
-runs; groups made after it inherit the bound device): each group's communicator is created
-with the group, and NCCL runs a lone p2p op on it too ("unbatched P2P ops are treated as
-independent collective ops, and are thus serialized with all other ops on this ProcessGroup,
-including other P2P ops", torch's warning): one FIFO per (rank, group) for everything, no pair
-communicators and no creation at first use. :func:`eager_init` maps a trace recorded with lazy
-init's communicators onto that; :func:`check_completes_eager` checks it.
+gloo buffers a send until its receive is posted, so an order can run on the CPU and still hang
+on GPUs. This model has no buffering: each rank posts *kernels* (one ``isend``/``irecv``, one
+``batch_isend_irecv`` group, or one collective) on a *communicator*, each (rank, communicator)
+runs its kernels one after the other (NCCL's stream), and a rank's ``wait`` holds back
+everything it posts afterwards. Communicators are created at their first use, as NCCL does
+without eager init (torchtitan's way). :func:`check_completes` runs a trace under these rules
+(listed there) and raises :class:`Deadlock` naming what every stuck rank waits for; eager init
+(``init_process_group(device_id=...)``) is :func:`check_completes_eager`. The recorded traces
+come from :mod:`titan_dualpipe.runtime.comm_record` (docs/numerics.md#nccls-semantics-on-the-cpu).
 """
 
 from __future__ import annotations
@@ -83,7 +58,7 @@ class Post:
     comm: Hashable
     ops: tuple[Op, ...]
     label: str = ""
-    members: tuple[int, ...] = ()  # the communicator's global ranks, where not implied (see module docstring)
+    members: tuple[int, ...] = ()  # the communicator's global ranks, where not implied (see check_completes)
 
 
 @dataclass(frozen=True)
@@ -120,12 +95,14 @@ class _Kernel:
 
 
 def pair_comm(group: Hashable, a: int, b: int) -> tuple:
-    """The two-rank communicator torch uses for a lone isend/irecv between ``a`` and ``b``."""
+    """The two-rank communicator torch uses (lazy init) for a lone isend/irecv between ``a`` and
+    ``b`` (torch 2.13+ posts all-send or all-receive batches that way too)."""
     return ("pair", group, min(a, b), max(a, b))
 
 
 def group_comm(group: Hashable) -> tuple:
-    """The process group's own communicator (batched p2p and collectives)."""
+    """The process group's own communicator (batched p2p, collectives and functional collectives:
+    one FIFO per rank for all its peers)."""
     return ("group", group)
 
 
@@ -214,7 +191,9 @@ def eager_init(trace: Trace, groups: Iterable[Hashable] | None = None) -> Trace:
     """``trace`` (recorded with lazy init's communicators) as NCCL runs it when process groups
     ``groups`` (default: every group) were initialised eagerly: every lone p2p op of such a group
     moves from its pair communicator to the group's own, where it runs in issue order with every
-    other op of the group (see the module docstring)."""
+    other op of the group ("unbatched P2P ops are treated as independent collective ops, and are
+    thus serialized with all other ops on this ProcessGroup, including other P2P ops", torch's
+    warning). Groups made after ``init_process_group(device_id=...)`` inherit the bound device."""
     chosen = None if groups is None else set(groups)
 
     def comm_of(comm: Hashable) -> Hashable:
@@ -242,7 +221,7 @@ def _is_pair(comm: Hashable) -> bool:
 
 
 def _comm_members(comm: Hashable, kernels: list[_Kernel]) -> tuple[int, ...]:
-    """The ranks that create ``comm`` together (see the module docstring)."""
+    """The ranks that create ``comm`` together (see :func:`check_completes`)."""
     if _is_pair(comm):
         return tuple(sorted({comm[2], comm[3]}))
     named = {m for k in kernels for m in k.post.members}
@@ -305,7 +284,19 @@ class _Hosts:
 def check_completes(trace: Trace, created: Iterable[Hashable] = ()) -> int:
     """Run ``trace`` under the model; return the number of rounds, or raise :class:`Deadlock`.
 
-    Communicators not in ``created`` are created at their first use in ``trace`` (lazy init)."""
+    - A point-to-point op completes when it and its match are both running: the n-th send from
+      ``a`` to ``b`` on a communicator matches the n-th receive at ``b`` from ``a`` on it (FIFO).
+    - The ops of one kernel progress together; the kernel ends when all of them completed.
+    - A collective completes when every member's matching collective (the n-th on that
+      communicator) is running.
+    - A rank's ``wait`` on a kernel makes everything it posts afterwards wait for that kernel (the
+      compute stream waits on it, and later kernels wait on the compute stream).
+    - Posting never blocks, except that a communicator not in ``created`` is created at its first
+      use in ``trace`` (lazy init): a rank's first kernel on it blocks that rank's host until every
+      member has reached its own first kernel on it (``ncclCommInitRank`` is collective). Members:
+      a pair communicator's two ranks; for a group's communicator the ranks named by
+      ``Post.members``, else those of its collectives and the ranks posting on it.
+      ``created=communicators(trace)`` models every communicator as existing."""
     per_rank, by_work = _kernels(trace)
     partners = _match(per_rank)
     hosts = _Hosts(per_rank, created)

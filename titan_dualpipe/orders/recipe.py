@@ -1,23 +1,8 @@
 """DeepSeek's eight-step DualPipe recipe, in phase terms, and its mapping to torch actions.
 
-The recipe is written for one rank as a list of :class:`PhaseOp`. "Phase 0" is the chunk
-whose pipeline direction starts nearer this rank, "phase 1" the other one. With
-``h`` = half the number of ranks of the full DualPipe (the number of ranks of a
-DualPipeV), ``r`` = this rank's distance from its nearer pipeline end and ``c`` = the
-number of microbatches per direction, the steps are::
-
-    1  nF0        2(h-r-1) x  F0                      warm-up of the near chunk
-    2  nF0F1      (r+1)    x  F0 F1                    start the far chunk
-    3  nI1WF1     (h-r-1)  x  I1 W F1                 first backwards, weight grad deferred
-    4  nF0B1F1B0  (c-2h+r+1) x (F0&B1) (F1&B0)        steady state: overlapped pairs
-    5  nB1F1B0    (h-r-1)  x  B1 (F1&B0)
-    6  nB1B0      (r+1)    x  B1 B0, split into I from the middle on (zero bubble)
-    7  nWB0       (h-r-1)  x  W I0
-    8  nW         (r+1)    x  W
-
-``F&B`` is an overlapped pair; ``W`` runs the oldest deferred weight gradient (FIFO). On
-the middle ranks (``r == h-1``) the first pair of step 4 runs as ``F0`` then ``B1``
-without overlap, which shortens the bubble.
+The recipe is written for one rank as a list of :class:`PhaseOp` (:func:`recipe` lists the
+steps). "Phase 0" is the chunk whose pipeline direction starts nearer this rank, "phase 1" the
+other one; :func:`to_actions` maps the phases to this rank's two stages and their microbatches.
 """
 
 from __future__ import annotations
@@ -108,7 +93,22 @@ def _step8_flush_weights(h: int, r: int) -> list[PhaseOp]:
 
 
 def recipe(half_ranks: int, half_rank: int, chunks: int) -> list[PhaseOp]:
-    """The per-rank recipe: ``h = half_ranks``, ``r = half_rank``, ``c = chunks`` per direction."""
+    """The per-rank recipe. ``h`` = half the number of ranks of the full DualPipe (the number of
+    ranks of a DualPipeV), ``r`` = this rank's distance from its nearer pipeline end, ``c`` = the
+    number of microbatches per direction::
+
+        1  nF0        2(h-r-1) x  F0                      warm-up of the near chunk
+        2  nF0F1      (r+1)    x  F0 F1                    start the far chunk
+        3  nI1WF1     (h-r-1)  x  I1 W F1                 first backwards, weight grad deferred
+        4  nF0B1F1B0  (c-2h+r+1) x (F0&B1) (F1&B0)        steady state: overlapped pairs
+        5  nB1F1B0    (h-r-1)  x  B1 (F1&B0)
+        6  nB1B0      (r+1)    x  B1 B0, split into I from the middle on (zero bubble)
+        7  nWB0       (h-r-1)  x  W I0
+        8  nW         (r+1)    x  W
+
+    ``F&B`` is an overlapped pair; ``W`` runs the oldest deferred weight gradient (FIFO). On the
+    middle ranks (``r == h-1``) the first pair of step 4 runs as ``F0`` then ``B1`` without
+    overlap, which shortens the bubble."""
     h, r, c = half_ranks, half_rank, chunks
     return (
         _step1_warmup(h, r)

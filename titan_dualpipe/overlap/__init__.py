@@ -2,7 +2,7 @@
 
 - :mod:`.protocol`: how a stage module provides its own overlapped forward+backward.
 - :mod:`.pair`: how the runtime runs a pair (overlapped by default, or sequentially).
-- :mod:`.two_batch`: two-batch overlap, a lone action's microbatch as two relayed halves.
+- :mod:`.sub_batches`: two-batch overlap, a lone action's microbatch as two relayed sub-batches.
 - :mod:`.relay`: the overlap of modules without the protocol: the pair's halves as two
   threads that take turns at the module's exchanges (:func:`hand_over`).
 - :mod:`.moe`, :mod:`.comm`, :mod:`.segments`: a ready MoE transformer stage module with
@@ -10,10 +10,11 @@
 """
 
 from .comm import EmulatedNetwork, ExpertParallelComm, relayed_all_to_all_single
+from ..cut import cut_layers
 from .moe import MoEArgs, MoETransformer, expert_parallel, split_parts
-from .two_batch import run_forward_in_halves
+from .sub_batches import run_forward_in_sub_batches
 from .pair import run_pair_overlapped
-from .protocol import OverlappedForwardBackward, OverlappedHalves, overlap_implementation
+from .protocol import OverlappedForwardBackward, OverlappedSubBatches, overlap_implementation
 from .relay import hand_over
 
 __all__ = [
@@ -22,12 +23,21 @@ __all__ = [
     "MoEArgs",
     "MoETransformer",
     "OverlappedForwardBackward",
-    "OverlappedHalves",
+    "OverlappedSubBatches",
+    "cut_layers",
     "expert_parallel",
     "hand_over",
     "overlap_implementation",
     "relayed_all_to_all_single",
-    "run_forward_in_halves",
+    "run_forward_in_sub_batches",
     "run_pair_overlapped",
-    "split_parts",
+    "split_parts",  # deprecated: cut_layers
 ]
+
+
+def __getattr__(name: str):
+    if name == "OverlappedHalves":  # deprecated: warns and returns OverlappedSubBatches
+        from . import protocol
+
+        return protocol.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

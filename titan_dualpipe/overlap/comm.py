@@ -1,30 +1,14 @@
 """Expert-parallel all-to-all: our MoE module's exchange, with an optional emulated network
 cost, and :func:`relayed_all_to_all_single` for any module.
 
-:func:`all_to_all` posts an asynchronous ``all_to_all_single`` over an expert-parallel
-process group and returns a :class:`PendingAllToAll`; the exchange is autograd-aware (its
-backward is the reverse all-to-all, which for equal splits is the same exchange), so a
-plain ``module(x)`` + ``loss.backward()`` works. The overlapped path instead waits the
-handle at a moment of its choosing, computing something else in between. With no group (one
-rank) the data stays; with an emulated network the exchange still costs its time, forward
-and backward alike, so every path pays for the same exchanges.
-
-:class:`EmulatedNetwork` makes every exchange cost ``latency + remote bytes / bandwidth``
-(the local share never crosses a network). On the CPU the cost is paid in ``wait()`` by
-sleeping until that long after the post, so it uses no CPU and is hidden by whatever
-computes between post and wait. On a GPU it is a sleep kernel of that length on a side
-stream (:class:`GpuDelay`, standing in for NCCL's stream), after which the real exchange
-(if any) is posted; ``wait()`` makes the compute stream wait, so the partner half's kernels
-run meanwhile. :class:`CommStats` adds up the time spent waiting (on a GPU: the time the
-compute stream stalled, from CUDA events, only when ``timing`` asks for it): the
-communication left exposed, and the exchanges charged, forward and backward.
-
-:func:`emulate_relayed_exchanges` gives :func:`relayed_all_to_all_single` (torchtitan's MoE
-exchanges under ``bench titan``) the same kind of cost on the CPU, with its exposed time counted.
-
-Every exchange here calls :func:`~titan_dualpipe.overlap.relay.hand_over` between posting
-and waiting where the waiting is not the caller's choice (a backward; the plain forward),
-so it overlaps with the partner half when a pair runs as a relay.
+:func:`all_to_all` posts an autograd-aware asynchronous exchange (its backward: the reverse
+exchange) and returns a :class:`PendingAllToAll` that the caller waits when it chooses. Every
+exchange here calls :func:`~titan_dualpipe.overlap.relay.hand_over` between posting and a wait
+that is not the caller's choice, so it flies behind the partner half of a relayed pair. For the
+benchmarks, :class:`EmulatedNetwork` and :func:`emulate_relayed_exchanges` make exchanges cost
+time, :class:`CommStats` adds up the time left exposed, and on the CPU a recording benchmark is
+told of each post and wait. The emulated network: benchmarks/README.md#method; the relay and the floor:
+docs/overlap.md#the-relay, docs/overlap.md#the-floor.
 """
 
 from __future__ import annotations
@@ -39,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._compat.c10d import post_all_to_all_single, wait_collective
+from ..exposure.record import recorder
 from .relay import hand_over
 
 T = TypeVar("T")
@@ -73,7 +58,7 @@ class CommStats:
     posted: int = 0
     charged_forward: int = 0  # exchanges that paid an emulated network's time, forward
     charged_backward: int = 0  # and their reverse exchanges in a backward
-    charged_bytes: int = 0  # their remote bytes (two-batch halves post twice as many exchanges, each half as large)
+    charged_bytes: int = 0  # their remote bytes (two-batch sub-batches post twice as many exchanges, each half as large)
     waited_s: float = 0.0
     timing: bool = False  # time the compute stream's stalls on a GPU (a benchmark, which drains them)
     gpu_stalls: list = field(default_factory=list)  # (start, end) CUDA events around compute-stream waits
@@ -98,7 +83,11 @@ class CommStats:
         remaining = ready_at - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
-        self.waited_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.waited_s += end - start
+        record = recorder()
+        if record is not None:  # late: past the emulated arrival (a peer posting late, a sleep woken late)
+            record.waited(start, end, late=max(0.0, end - max(ready_at, start)))
         return result
 
     def collect(self) -> float:
@@ -212,6 +201,7 @@ class ExpertParallelComm:
                 return self._post_emulated_on_gpu(x)
         # One rank keeps its data; the network's time (if any) passes all the same.
         delay = 0.0 if self.network is None else self.network.seconds(self._remote_bytes(x))
+        _record_posted(delay, None)  # exchanges fly on their own here (each its own sleep)
         if self.group is None:
             return PendingAllToAll(x, None, time.perf_counter() + delay, self.stats)
         x = x.contiguous()
@@ -298,7 +288,7 @@ class RelayedExchangeCost:
     seconds: float = 0.0
     # Rows of a whole microbatch's token exchange. Set: an exchange of ``rows`` rows costs
     # ``seconds * (1/2 + 1/2 * rows / reference_rows)`` (half latency, half bandwidth, as ``bench
-    # overlap`` calibrates), so the two halves of a two-batch split pay one more latency, not
+    # overlap`` calibrates), so the two sub-batches of a two-batch split pay one more latency, not
     # twice the bandwidth. None: every token exchange costs ``seconds``.
     reference_rows: int | None = None
     stats: CommStats = field(default_factory=CommStats)
@@ -317,10 +307,22 @@ class RelayedExchangeCost:
 
     def ready_at(self, group: Any, earliest: float) -> float:
         """When an exchange posted on ``group`` now, ready at ``earliest`` on its own, is ready."""
-        key = getattr(group, "group_name", id(group))
+        key = channel_of(group)
         ready = max(earliest, self._group_ready_at.get(key, 0.0))
         self._group_ready_at[key] = ready
         return ready
+
+
+def channel_of(group: Any) -> Any:
+    """The communicator an exchange on ``group`` queues on (its name; the object's id without one)."""
+    return getattr(group, "group_name", id(group))
+
+
+def _record_posted(seconds: float, channel: Any) -> None:
+    """Tell a benchmark's exposure recorder (if any) that an exchange of ``seconds`` was just posted."""
+    record = recorder()
+    if record is not None:
+        record.posted(seconds, channel)
 
 
 _RELAYED_COST: RelayedExchangeCost | None = None
@@ -342,6 +344,8 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
     cost, posted_at = _RELAYED_COST, time.perf_counter()
     pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
     ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds_for(x.shape[0]))
+    if cost is not None:  # in order behind the exchanges posted before it on its communicator
+        _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
     hand_over(backward=backward)  # the partner half of a relayed pair computes while this one is in flight
     if cost is None:
         return wait_collective(pending)
@@ -361,6 +365,8 @@ def count_exchange(post: Callable[[], T], group: Any, read: Callable[[T], Any], 
     cost = _RELAYED_COST
     posted = post()
     ready_at = None if cost is None else cost.ready_at(group, time.perf_counter() + cost.latency_s)
+    if cost is not None:  # read at once unless handed over (its switch)
+        _record_posted(cost.latency_s, channel_of(group))
     if hand_over_between or (cost is not None and cost.count_hand_over):
         hand_over()
     if cost is None:

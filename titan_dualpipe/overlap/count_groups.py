@@ -1,17 +1,11 @@
 """The token-count exchange on a communicator of its own.
 
-An MoE dispatch first sends each expert-parallel peer its per-expert token counts and reads the
-peer's counts on the host at once; only then can it post the token exchange itself. On the
-expert-parallel group's communicator that count exchange runs behind every collective posted
-there before it (NCCL runs a communicator's collectives in order on one stream; gloo on one
-queue). In a relayed pair that is the partner half's token exchange, in flight while this half
-dispatches, so each count read waited out the partner's whole exchange.
-
-:func:`make_count_groups` gives every expert-parallel group a twin with the same ranks, made
-once before the first step; :func:`count_group` names the twin that a group's count exchange
-uses. A group without a twin (one made after the first step) keeps its own communicator: a
-process group is never created mid-schedule, where the ranks of a group may be in different
-halves of a pair.
+An MoE dispatch reads its peers' per-expert token counts on the host right after posting them.
+On the expert-parallel group's communicator, which runs its collectives in order, that read
+would first wait out the partner half's token exchange posted before it. :func:`make_count_groups`
+gives every expert-parallel group a twin with the same ranks, made once before the first step;
+:func:`count_group` names the twin a group's count exchange uses (a group without one keeps its
+own communicator). Why, and when a group has no twin: docs/overlap.md#in-torchtitan.
 """
 
 from __future__ import annotations

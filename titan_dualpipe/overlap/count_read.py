@@ -2,22 +2,12 @@
 
 A dispatch cannot post its token exchange before the host knows how many rows it sends to and
 receives from each peer. torchtitan reads the received counts with a blocking copy on the compute
-stream. On a GPU the host then waits for every kernel queued on that stream before the copy (in a
-relayed pair, the partner half's too) and launches nothing meanwhile.
-
-:func:`read_token_counts` instead, on CUDA:
-
-- posts the exchange from a side stream of the device, once the local counts are computed;
-- hands over to the partner half while the counts travel (the partner's turn only launches
-  kernels, which queue on the compute stream, behind nothing of this exchange);
-- on the side stream, waits for the exchange and copies both sides' per-peer sums into pinned
-  host memory without blocking;
-- waits on the host for that copy's event alone, not for a stream or the device; the compute
-  stream waits for the same event before it uses the received counts.
-
-On the CPU there are no streams: the read is the collective's wait, with no hand-over. There the
-partner's turn is its compute itself, and handing over only moved the wait to the partner
-(measured with ``bench titan``'s comparison run, ``TITAN_DUALPIPE_BENCH_COUNT_HAND_OVER``).
+stream: on a GPU the host then waits for every kernel queued there before the copy (in a relayed
+pair, the partner half's too) and launches nothing meanwhile. :func:`read_token_counts` instead
+reads them beside the compute stream on CUDA, handing over to the partner half while the counts
+travel. On the CPU the read is the collective's wait, with no hand-over: there the partner's turn
+is its compute itself, and handing over only moved the wait to the partner (``bench titan``'s
+``... counts handed over`` variants). docs/overlap.md#in-torchtitan.
 """
 
 from __future__ import annotations
@@ -47,7 +37,8 @@ def per_peer(counts: torch.Tensor, ep_size: int) -> torch.Tensor:
 
 def read_token_counts(local: torch.Tensor, ep_size: int, post: Callable[[], torch.Tensor], group: Any) -> TokenCounts:
     """Post ``post()`` (the all-to-all of ``local``, this rank's per-expert counts, on ``group``, the
-    count communicator) and read the splits on the host, as the module docstring says."""
+    count communicator) and read the splits on the host: on CUDA beside the compute stream
+    (:func:`_read_beside_the_compute_stream`), on the CPU by the collective's wait."""
     if local.device.type == "cuda":
         return _read_beside_the_compute_stream(local, ep_size, post, group)
     received = count_exchange(post, group, read=wait_collective)
@@ -74,6 +65,11 @@ def _used_on(t: torch.Tensor, stream: Any) -> None:
 
 def _read_beside_the_compute_stream(local: torch.Tensor, ep_size: int, post: Callable[[], torch.Tensor],
                                     group: Any) -> TokenCounts:
+    """Post the exchange from a side stream once the local counts are computed; hand over to the
+    partner half while the counts travel (its turn only launches kernels, which queue on the
+    compute stream behind nothing of this exchange); on the side stream, wait for the exchange and
+    copy both sides' per-peer sums into pinned host memory without blocking; wait on the host for
+    that copy's event alone, and make the compute stream wait for it before it uses the counts."""
     compute, side = torch.cuda.current_stream(local.device), _side_stream(local.device)
     side.wait_stream(compute)  # the local counts are computed on the compute stream
     _used_on(local, side)

@@ -1,43 +1,20 @@
 """A MoE transformer stage module that overlaps expert-parallel all-to-all with compute.
 
-:class:`MoETransformer` is a decoder-only model (or one pipeline part of it) with
-torchtitan's names: ``tok_embeddings`` (first part), ``layers.<i>``, ``norm`` and
-``output`` (last part). Each :class:`TransformerBlock` runs
-
-    attention (pre-norm, causal) -> router (top-k) -> dispatch all-to-all ->
-    local experts -> combine all-to-all -> gate-weighted sum + residual
-
-Experts are split over an expert-parallel group (:func:`expert_parallel`): each rank
-keeps ``num_experts / ep`` of them. Routing uses a fixed capacity per (sequence, expert)
-(GShard's routing groups), so every all-to-all has a static size and a sequence routes the
-same in any batch; tokens over capacity are dropped (they keep their residual). A plain
-``module(x)`` + ``loss.backward()`` works and is the reference; the exchanges are autograd
-functions there.
-
-Overlap. A block's forward is cut into three segments at its two exchanges
-(``attention``: attention + router + dispatch packing, ``experts``, ``combine``), each a
-call of the block module (so FSDP2 hooks run per segment), and both the plain and the
-overlapped path run the same segment code (:meth:`MoETransformer.forward_steps`). The
-backward is cut at the same points (:meth:`MoETransformer.backward_steps`): combine ->
-reverse combine exchange -> experts -> reverse dispatch exchange -> attention.
-:meth:`MoETransformer.overlapped_forward_backward` (the runtime's
-:class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`) interleaves the
-forward microbatch's segments with the backward microbatch's (the backward half, which
-computes more between its exchanges, starts), so each half's exchange is in flight while
-the other half computes. Results equal the plain path bit for bit: every tensor
-crossing a segment boundary gets at most two gradient contributions.
-
-The forward saves its segment boundaries in the autograd metadata of its output's
-node, where the backward half finds them from the tensors it backpropagates; they are
-released when a backward (either path) has passed them.
-
-Limits: all ranks of an expert-parallel group must feed microbatches of the same shape
-(the exchanges have static sizes); the loss may depend on the stage output only; a
-parameter may be used by one segment only (tied weights are refused with ValueError);
-there is no load-balancing loss.
+:class:`MoETransformer` is a decoder-only model (or one pipeline part of it) with torchtitan's
+names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``). Each :class:`TransformerBlock`
+runs attention -> top-k router -> dispatch all-to-all -> local experts -> combine all-to-all ->
+gate-weighted sum + residual, its experts split over an expert-parallel group
+(:func:`expert_parallel`), with a fixed capacity per (sequence, expert) so that every exchange has
+a static size. A block is cut into three segments at its two exchanges, forward and backward
+(:meth:`MoETransformer.forward_steps`, :meth:`MoETransformer.backward_steps`);
+:meth:`MoETransformer.overlapped_forward_backward` interleaves a pair's two halves at them, bitwise
+equal to the plain ``module(x)`` and ``loss.backward()``. Usage, memory and limits:
+docs/overlap.md#the-ready-moe-module.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import math
 import weakref
@@ -50,10 +27,10 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import checkpoint
 
-from ..runtime.deferred_weights import register_expert_class
-from ..runtime.two_batch import register_exchange_rule
+from ..weights.install import register_expert_class
+from ..runtime.sub_batch_runner import register_exchange_rule
 from .comm import ExpertParallelComm, all_to_all
-from ..split import split_layers
+from ..cut import cut_layers
 from .segments import Root, SegmentLeaves, Step, boundary, interleave, root_of, run_to_completion, segment_backward
 
 _RECORD_KEY = "titan_dualpipe.moe_boundaries"
@@ -236,7 +213,7 @@ def _save_matmuls(ctx, op, *args, **kwargs):
 
 class TransformerBlock(nn.Module):
     """Pre-norm attention + MoE. ``block(h)`` runs it whole; the stage module calls one
-    segment at a time: ``block(h, segment="attention")`` etc. (see the module docstring).
+    segment at a time: ``block(h, segment="attention")``, then ``"experts"``, then ``"combine"``.
     ``activation_checkpoint``: False, True (full) or ``"selective"`` (the attention and expert
     segments, not the exchanges between them)."""
 
@@ -331,7 +308,8 @@ def _grad_or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tenso
 
 @dataclass
 class StageRecord:
-    """What one forward saved for its backward half (see the module docstring)."""
+    """What one forward saved for its backward half: its segment boundaries, kept in the autograd
+    metadata of its output's node (:func:`_attach`) until a backward has passed them."""
 
     entry: torch.Tensor | None  # embedding output, or the stage input as the layers read it
     layers: list[LayerBoundaries] = field(default_factory=list)
@@ -344,7 +322,7 @@ class StageRecord:
 
 class MoETransformer(nn.Module):
     """Token embedding -> MoE blocks -> norm -> vocab head; a pipeline part may lack the
-    embedding (not first) or the norm and head (not last). See the module docstring."""
+    embedding (not first) or the norm and head (not last)."""
 
     def __init__(self, args: MoEArgs, activation_checkpoint: bool | str = False) -> None:
         super().__init__()
@@ -407,7 +385,8 @@ class MoETransformer(nn.Module):
         backward_outputs: list[torch.Tensor],
         backward_output_grads: list[torch.Tensor | None] | None,
     ) -> Any:
-        """The runtime's overlapped pair (see the module docstring); returns the forward's output."""
+        """The runtime's overlapped pair: the two halves' segments interleaved at their exchanges, so
+        each half's exchange flies while the other computes; returns the forward's output."""
         forward = forward_module.forward_steps(*forward_args, **forward_kwargs)
         backward = backward_module.backward_steps(backward_outputs, backward_output_grads)
         # The backward half computes about twice as much between its exchanges: starting it
@@ -416,14 +395,14 @@ class MoETransformer(nn.Module):
         return output
 
     @classmethod
-    def overlapped_halves_forward(cls, module: nn.Module, halves: Sequence[tuple[tuple, dict]]) -> list[Any]:
-        """Two-batch overlap (:class:`~titan_dualpipe.overlap.protocol.OverlappedHalves`): both
+    def overlapped_sub_batches_forward(cls, module: nn.Module, halves: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        """Two-batch overlap (:class:`~titan_dualpipe.overlap.protocol.OverlappedSubBatches`): both
         halves' forwards, interleaved at their exchanges; returns their outputs."""
         first, second = (module.forward_steps(*args, **kwargs) for args, kwargs in halves)
         return list(interleave(first, second))
 
     @classmethod
-    def overlapped_halves_backward(
+    def overlapped_sub_batches_backward(
         cls, module: nn.Module, halves: Sequence[tuple[list[torch.Tensor], list[torch.Tensor | None] | None]]
     ) -> None:
         """Both halves' backwards, interleaved at their reverse exchanges."""
@@ -474,8 +453,10 @@ def _find_record(outputs: Sequence[Root], limit: int = 10_000) -> tuple[Node, St
 
 
 def split_parts(model: MoETransformer, n_parts: int) -> list[MoETransformer]:
-    """``n_parts`` pipeline parts of ``model`` (see :func:`titan_dualpipe.split.split_layers`)."""
-    return split_layers(model, n_parts)
+    """Deprecated name of :func:`titan_dualpipe.cut.cut_layers` (``titan_dualpipe.overlap.cut_layers``)."""
+    warnings.warn("titan_dualpipe.overlap.split_parts is deprecated: use titan_dualpipe.overlap.cut_layers",
+                  DeprecationWarning, stacklevel=2)
+    return cut_layers(model, n_parts)
 
 
 def expert_parallel(module: nn.Module, comm: ExpertParallelComm) -> None:

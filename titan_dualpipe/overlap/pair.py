@@ -1,17 +1,12 @@
 """Pair runners: how the runtime executes an overlapped ``(F; B)`` pair.
 
-- :func:`run_pair_overlapped` (default): when the stage modules implement
-  :class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`, the pair is handed
-  to it inside torch's own forward and backward bookkeeping; otherwise the two actions run
-  as a relay (:mod:`~titan_dualpipe.overlap.relay`): they switch wherever the module hands
-  over after posting an exchange, and the forward's pipeline send is posted as soon as the
-  forward ends (not after the whole pair), so it is in flight while the backward computes.
-- :func:`~titan_dualpipe.runtime.pairs.run_pair_sequentially`: the forward, then the
-  backward, sends after both (``overlap=False``; for debugging and comparison).
-
-Both run the same computations on the same data, so their results are bitwise equal. The
-schedules the package exports (:mod:`.schedules`) carry :func:`run_pair_overlapped` as their
-``overlapped_pair_runner``.
+:func:`run_pair_overlapped`, the ``overlapped_pair_runner`` of the schedules the package exports
+(:mod:`.schedules`), hands the pair to the stage modules' protocol
+(:class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`) inside torch's own forward
+and backward bookkeeping, or else runs its halves as a relay (:mod:`~titan_dualpipe.overlap.relay`),
+posting the forward's pipeline send as soon as the forward half ends. Its results are bitwise
+equal to :func:`~titan_dualpipe.runtime.pairs.run_pair_sequentially` (``overlap=False``): the
+forward, then the backward, sends after both. See docs/overlap.md.
 """
 
 from __future__ import annotations
@@ -30,9 +25,9 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
     fwd_module = executor.stages[forward.stage_index].submod
     bwd_module = executor.stages[backward.stage_index].submod
     fused = overlap_implementation(fwd_module, bwd_module)
-    # A backward microbatch that ran its forward in halves backpropagates through both halves at
+    # A backward microbatch that ran its forward as two sub-batches backpropagates through both at
     # once, from the joined output: the relay runs that as it is, the protocol's backward does not.
-    if executor.halves.pop((backward.stage_index, backward.microbatch_index), None) is not None:
+    if executor.sub_batches.pop((backward.stage_index, backward.microbatch_index), None) is not None:
         fused = None
     if fused is None:
         def forward_half() -> None:

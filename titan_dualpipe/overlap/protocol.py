@@ -1,21 +1,17 @@
 """How a stage module provides its own overlapped forward + backward.
 
-A pair ``(F; B)`` runs the forward of one microbatch on one stage and the full backward
-of another microbatch on another stage of the same rank. When both stage modules are of
-one class that defines :meth:`OverlappedForwardBackward.overlapped_forward_backward`, the
-runtime hands the whole pair to it, so it can interleave the two halves at a finer grain
-than the pipeline can: e.g. a MoE layer's attention of the forward microbatch runs while
-the backward microbatch's combine all-to-all is in flight, and so on (DeepSeek-V3's
-``overlapped_forward_backward``). Modules without it run as a relay
-(:mod:`~titan_dualpipe.overlap.relay`): the halves switch wherever the module's exchanges
-call ``hand_over()``, and the forward half's pipeline send is in flight while the backward
-half computes.
-
-The runtime keeps every bit of torch's stage bookkeeping (receiving inputs, caching
-activations, FSDP hooks and flags, sending results); the method only computes.
+A pair ``(F; B)`` runs one microbatch's forward and another's full backward on the two stages of
+one rank. When both stage modules are of one class that defines
+:meth:`OverlappedForwardBackward.overlapped_forward_backward`, the runtime hands it the whole
+pair, inside torch's stage bookkeeping, so it can interleave the halves at a finer grain than
+the pipeline can (DeepSeek-V3's way); the method only computes. The second protocol does the
+same for a lone microbatch's two sub-batches (two-batch overlap). Modules without them run as a
+relay (:mod:`~titan_dualpipe.overlap.relay`). The contract: docs/overlap.md#the-protocol.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,26 +55,56 @@ def overlap_implementation(forward_module: nn.Module, backward_module: nn.Module
     return getattr(cls, "overlapped_forward_backward", None)
 
 
-class OverlappedHalves(Protocol):
-    """Two-batch overlap provided by the stage module (:mod:`~titan_dualpipe.overlap.two_batch`):
-    one lone microbatch's two halves, interleaved at the module's exchanges. Modules without it
-    run the halves as a relay."""
+class OverlappedSubBatches(Protocol):
+    """Two-batch overlap provided by the stage module (:mod:`~titan_dualpipe.overlap.sub_batches`):
+    one lone microbatch's two sub-batches, interleaved at the module's exchanges. Modules without it
+    run the sub-batches as a relay."""
 
     @classmethod
-    def overlapped_halves_forward(cls, module: nn.Module, halves: Any) -> list[Any]:
-        """Exactly ``[module.forward(*args, **kwargs) for args, kwargs in halves]``."""
+    def overlapped_sub_batches_forward(cls, module: nn.Module, sub_batches: Any) -> list[Any]:
+        """Exactly ``[module.forward(*args, **kwargs) for args, kwargs in sub_batches]``."""
         ...
 
     @classmethod
-    def overlapped_halves_backward(cls, module: nn.Module, halves: Any) -> None:
+    def overlapped_sub_batches_backward(cls, module: nn.Module, sub_batches: Any) -> None:
         """Exactly ``torch.autograd.backward(outputs, grads)`` for each ``(outputs, grads)`` of
-        ``halves`` (the halves' outputs of one forward of ``module``, or losses computed from them)."""
+        ``sub_batches`` (their outputs of one forward of ``module``, or losses computed from them)."""
         ...
 
 
-def halves_implementation(module: nn.Module) -> type | None:
-    """The class providing :class:`OverlappedHalves` for ``module``, or None."""
+_METHODS = ("overlapped_sub_batches_forward", "overlapped_sub_batches_backward")
+_OLD_METHODS = ("overlapped_halves_forward", "overlapped_halves_backward")  # their names before sub-batches
+
+
+class _OldMethodNames:
+    """A class that provides the protocol under its old method names, called by the new ones."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def overlapped_sub_batches_forward(self, module: nn.Module, sub_batches: Any) -> list[Any]:
+        return self.cls.overlapped_halves_forward(module, sub_batches)
+
+    def overlapped_sub_batches_backward(self, module: nn.Module, sub_batches: Any) -> None:
+        return self.cls.overlapped_halves_backward(module, sub_batches)
+
+
+def sub_batches_implementation(module: nn.Module) -> Any:
+    """What provides :class:`OverlappedSubBatches` for ``module`` (its class), or None. A class with
+    the protocol's old method names (``overlapped_halves_*``) still provides it, with a warning."""
     cls = type(module)
-    provided = all(callable(getattr(cls, name, None))
-                   for name in ("overlapped_halves_forward", "overlapped_halves_backward"))
-    return cls if provided else None
+    if all(callable(getattr(cls, name, None)) for name in _METHODS):
+        return cls
+    if all(callable(getattr(cls, name, None)) for name in _OLD_METHODS):
+        warnings.warn(f"{cls.__name__}.overlapped_halves_forward/backward are deprecated names: define "
+                      "overlapped_sub_batches_forward/backward", DeprecationWarning, stacklevel=2)
+        return _OldMethodNames(cls)
+    return None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OverlappedHalves":
+        warnings.warn("titan_dualpipe.overlap.OverlappedHalves is deprecated: use OverlappedSubBatches",
+                      DeprecationWarning, stacklevel=2)
+        return OverlappedSubBatches
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

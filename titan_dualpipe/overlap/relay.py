@@ -1,70 +1,15 @@
 """Overlap for stage modules without the protocol: the pair's halves as a two-thread relay.
 
-The forward action of a pair runs on the calling thread and its backward action on a
-long-lived helper thread, but never both at once: one half *holds the baton*. A half that has just
-posted an exchange calls :func:`hand_over` before waiting on it; the other half then
-computes until it hands over in turn (or ends), so the exchange is in flight while the
-partner computes. The forward half starts; the backward half starts at the forward's first
-hand-over (a forward that never hands over is followed by its backward on the calling
-thread, no thread involved). Once the forward ends, its pipeline send is posted and the
-backward half runs on alone.
-
-Only hand-overs switch halves, so the interleaving is a fixed function of the code: the
-same on every rank, which therefore posts its collectives in the same order as its peers,
-and each half computes exactly what it computes alone (bitwise equal to sequential
-halves). Each half runs the runtime's own forward / backward action, torch's stage
-bookkeeping, FSDP hooks and activation checkpointing included.
-
-Who calls :func:`hand_over`: :func:`~titan_dualpipe.overlap.segments.run_to_completion`
-and the exchanges of :mod:`titan_dualpipe.overlap.comm` (so our MoE module overlaps even
-when run without its protocol), and :func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single`,
-which :mod:`titan_dualpipe.titan` installs as torchtitan's expert-parallel dispatch and
-combine. Outside a pair, or once the partner half has ended, it does nothing.
-
-Failures: the half that raised hands the baton over for good; the partner raises
-:class:`PartnerFailed` at its next hand-over (or runs to its end if it has none left), and
-the pair raises the original exception on this rank.
-
-Threads: torch runs a CPU backward on the thread that calls it; with an accelerator the
-autograd work runs on its device threads, so any thread other than the forward's counts
-as the backward half. The helper thread runs in the calling thread's state as it was when
-the pair started, as torch's own autograd threads do: grad and inference mode, autograd's
-multithreading and view-replay flags, autocast (enabled and dtype for CPU and the
-accelerator, the cache flag), the saved-tensor hooks that apply (or their disabling), the
-TorchFunctionMode and TorchDispatchMode stacks (the mode objects themselves: a mode sees
-both halves' calls, one at a time), torch-function disabling, the dispatcher's local key
-sets, and the accelerator's current device and stream; it gets its own state back after
-each pair. Autocast is taken as torch's autograd threads take it, flags only: autocast's cast
-cache is process-wide, and a ``torch.autocast`` exiting on the helper thread would clear the
-caller's. A pair started inside a ``torch.func`` transform (vmap, grad, ...), whose
-interpreter stack cannot move to another thread, raises :class:`ValueError` before either
-half runs. torch's profiler records only the thread that started it (and autograd's
-threads): to see the helper thread's operators, profile with
-``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
-
-Random numbers: torch's generators (CPU's, and the accelerator's per device once it is
-initialized) are process-wide, not per thread, so each hand-over parks the running half's
-generator states and resumes its partner's: each half draws from a stream of its own, all
-its draws in a row, as it would alone.
-
-- The forward half (two-batch overlap's first half) continues the caller's stream: it
-  draws exactly what it draws alone, first; the pair leaves the generators where it ended.
-- The backward half (the second half) draws from a stream seeded from a hash of the
-  generators' states when the pair started: deterministic, the same on every rank whose
-  generators agree, and apart from the forward half's stream (no mask of the one repeats
-  the other's). The pair's end drops its draws. Sequentially it would go on from where the
-  forward ends, a state that does not exist yet while the forward half runs: no relay can
-  draw that.
-
-A checkpointed block's recompute (``preserve_rng_state``, torch's default) sets the state
-its forward saved and puts the outer state back after it; as each half's draws are in a
-row, it draws its forward's dropout masks even when the block spans hand-overs. A pair is
-therefore bitwise equal to the forward, then the backward, when the backward half's draws
-come only from such restored states (or it draws nothing): sequentially, too, the
-generators end where the forward ended. Two halves of one microbatch
-(:mod:`~titan_dualpipe.overlap.two_batch`): the first draws the masks of the two halves run
-one after the other, the second other masks of its own. A forward that never hands over
-runs its backward after it on one stream: sequential exactly.
+A pair's forward action runs on the calling thread, its backward action on a long-lived helper
+thread, never both at once. A half that has just posted an exchange calls :func:`hand_over`
+before waiting on it, and the other half computes until it hands over in turn (or ends), so the
+exchange flies behind the partner's compute. The backward half starts at the forward's first
+hand-over; the forward's pipeline send is posted as it ends. Only hand-overs switch halves, so
+the interleaving is the same on every rank and each half computes exactly what it computes alone.
+The helper thread runs in the caller's thread-local state, each half draws random numbers from a
+stream of its own, and a recording benchmark is told when each half runs, stops and ends. Who
+hands over, thread state, random numbers, failures: docs/overlap.md#the-relay; what is recorded:
+docs/overlap.md#the-floor.
 """
 
 from __future__ import annotations
@@ -85,7 +30,8 @@ from .._compat.autograd import (
     private_thread_state_entered,
     torch_function_bypassed,
 )
-from ..runtime.in_flight import run_work_in_flight
+from ..exposure.record import ExposureRecorder, recorder
+from ..weights.in_flight import run_work_in_flight
 
 _RngStates = list[tuple[torch.Generator, torch.Tensor]]
 
@@ -98,7 +44,7 @@ class PartnerFailed(RuntimeError):
 
 
 class Relay:
-    """The baton of one pair (see the module docstring)."""
+    """The baton of one pair: which half may compute, passed at each hand-over."""
 
     def __init__(self, start_backward: Callable[[], None]) -> None:
         self._cond = threading.Condition()
@@ -112,6 +58,7 @@ class Relay:
         self._accelerator = _accelerator_module()
         self._rng: list[_RngStates | None] = [None, None]  # each half's parked generator states
         self._rng_at_start = _rng_states(self._accelerator)  # the backward half's stream is seeded from these
+        self.record: ExposureRecorder | None = None  # a benchmark's recorder of this pair's segments
 
     def _half(self) -> int:
         return FORWARD if threading.get_ident() == self._forward_thread else BACKWARD
@@ -127,10 +74,14 @@ class Relay:
                 self.backward_started = True
                 self._start_backward()
             self._switch_rng(me, other)
+            if self.record is not None:
+                self.record.stop(me)
             self._turn = other
             self.hand_overs += 1
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == me)
+            if self.record is not None:
+                self.record.run(me)
             self._raise_if_partner_failed(me)
 
     def _raise_if_partner_failed(self, me: int) -> None:
@@ -156,9 +107,13 @@ class Relay:
     def wait_turn(self, half: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._turn == half)
+            if self.record is not None:
+                self.record.run(half)
 
     def end(self, half: int, error: BaseException | None) -> None:
         with self._cond:
+            if self.record is not None:
+                self.record.end(half)
             if self.backward_started:  # else one stream, as sequential: nothing to switch
                 self._rng_at_end(half)
             self._ended[half] = True
@@ -188,9 +143,12 @@ def hand_over(*, backward: bool = False) -> None:
     """Let the partner half of the running pair compute (call right after posting an
     exchange, before waiting on it); does nothing outside a pair. ``backward``: the exchange is
     a backward's (posted by an autograd node's backward): first the work that backward set aside
-    for its exchanges' flight runs (:mod:`titan_dualpipe.runtime.in_flight`: its queued weight
+    for its exchanges' flight runs (:mod:`titan_dualpipe.weights.in_flight`: its queued weight
     GEMMs). A forward's exchange never runs it, also when a checkpointed region's recomputation
     posts it inside a backward."""
+    record = recorder()
+    if record is not None:
+        record.switch()  # the exchange just posted is one the partner may compute behind
     if backward:
         run_work_in_flight()
     relay = _active
@@ -225,6 +183,10 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
         backward_ended.set()
 
     relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job))
+    record = recorder()
+    if record is not None and record.open_pair():
+        relay.record = record
+        record.run(FORWARD)
     _active = relay
     try:
         error = None
@@ -238,6 +200,8 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
     finally:
         _active = None
         relay.close()
+        if relay.record is not None and (relay.backward_started or relay.first_error() is not None):
+            relay.record.close_pair()
     failure = relay.first_error()
     if failure is not None:
         raise failure
@@ -245,13 +209,27 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
         # The forward never handed over: nothing to switch to, so the backward runs here,
         # after it, as it would have on the helper thread (its hand-overs would find the
         # forward ended). This spares modules without exchanges any thread switch.
-        backward_half()
+        _run_backward_after(backward_half, relay.record)
     return relay
+
+
+def _run_backward_after(backward_half: Callable[[], None], record: ExposureRecorder | None) -> None:
+    """The backward half, run after its forward on the calling thread (recorded as the pair's
+    second half where a benchmark records)."""
+    if record is None:
+        backward_half()
+        return
+    record.run(BACKWARD)
+    try:
+        backward_half()
+    finally:
+        record.end(BACKWARD)
+        record.close_pair()
 
 
 class _HelperThread:
     """The long-lived thread that runs backward halves. A fresh thread per pair would pay
-    its start and a cold memory arena every time: about 10 ms per pair, measured."""
+    its start and a cold memory arena every time."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -277,8 +255,8 @@ def _helper_thread() -> _HelperThread:
 
 
 def _thread_state() -> Callable[[], ContextManager[None]]:
-    """Capture this thread's state (see the module docstring); the result enters it on another
-    thread, for a block. ValueError for a state that cannot be carried."""
+    """Capture this thread's state (docs/overlap.md#thread-local-state); the result enters it on
+    another thread, for a block. ValueError for a state that cannot be carried."""
     private = private_thread_state()
     _refuse_what_cannot_be_carried(private)
     grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -345,7 +323,7 @@ def _autocast_entered(states: list[tuple[str, bool, torch.dtype]], cache_enabled
 def _refuse_what_cannot_be_carried(private: PrivateThreadState) -> None:
     if private.functorch_transform:
         raise ValueError(
-            "a relayed pair (or two-batch halves run as a relay) cannot start inside a torch.func transform "
+            "a relayed pair (or two-batch sub-batches run as a relay) cannot start inside a torch.func transform "
             "(vmap, grad, jacrev, ...): the transform's state stays on the calling thread, and the other half "
             "runs on a helper thread. Run the schedule outside the transform, or pass overlap=False "
             "(and two_batch_overlap=False) to the schedule")

@@ -1,21 +1,13 @@
 """Building blocks for an overlapped pair: step generators and segment-wise backward.
 
-A *step* is a generator that computes up to a communication point, yields the in-flight
-handle (anything with ``wait()``), and is resumed once that handle was waited; its
-return value is the result. :func:`run_to_completion` waits each handle at once (the
-plain path); :func:`interleave` alternates two steps so that one's communication is in
-flight while the other computes. Both are single-threaded and deterministic, so every
-rank of a group posts its collectives in the same order, and an exception surfaces on
-the rank that raised it.
-
-The backward half is split the same way. A module's forward marks each segment's
-inputs with :func:`boundary` (a fresh alias per consumer); :func:`segment_backward`
-then runs autograd from a segment's outputs down to those aliases only, accumulating
-its parameters' gradients, and returns the aliases' gradients for the next segment.
-Each call runs exactly the autograd nodes the plain backward runs for that segment, so
-the results are bitwise equal provided every tensor that crosses a segment boundary
-gets at most two gradient contributions (floating-point addition of two terms is
-commutative; a longer sum could be accumulated in another order).
+A *step* is a generator that computes up to a communication point, yields the in-flight handle
+(anything with ``wait()``) and is resumed once it was waited; its return value is the result.
+:func:`run_to_completion` waits each handle at once (the plain path); :func:`interleave`
+alternates two steps on one thread, so that one's communication flies while the other computes,
+in the same order on every rank. The backward is split the same way: a module's forward marks
+each segment's inputs with :func:`boundary`, and :func:`segment_backward` runs autograd from a
+segment's outputs down to those marks only, returning their gradients for the next segment. Why
+the result stays bitwise equal to a plain backward: docs/overlap.md#the-ready-moe-module.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from typing import Any, Generator, Protocol, Sequence, TypeVar, Union
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from ..exposure.record import recorder
 from .relay import hand_over
 
 T = TypeVar("T")
@@ -64,28 +57,41 @@ def interleave(first: Step[Any], second: Step[Any]) -> tuple[Any, Any]:
 
     ``first`` runs until it posts its first exchange, then ``second`` runs until it posts
     one, then ``first`` resumes after waiting its handle, and so on; when one finishes,
-    the other runs on alone. Returns both results.
+    the other runs on alone. Returns both results. While a benchmark records, the two steps
+    are reported as the halves of a pair (``first``: half 0; :mod:`titan_dualpipe.exposure.record`).
     """
     steps = (first, second)
     pending: list[Waitable | None] = [None, None]
     results: list[Any] = [None, None]
     running = [True, True]
     turn = 0
+    record = recorder()  # a benchmark's recorder of the halves' segments (first: half 0)
+    if record is not None and not record.open_pair():
+        record = None
     try:
         while running[0] or running[1]:
             if not running[turn]:
                 turn = 1 - turn
+            if record is not None:
+                record.run(turn)
             if pending[turn] is not None:
                 pending[turn].wait()  # type: ignore[union-attr]
                 pending[turn] = None
             try:
                 pending[turn] = steps[turn].send(None)
+                if record is not None:
+                    record.switch()
+                    record.stop(turn)
             except StopIteration as done:
                 results[turn], running[turn] = done.value, False
+                if record is not None:
+                    record.end(turn)
             turn = 1 - turn
     finally:
         for step in steps:
             step.close()
+        if record is not None:
+            record.close_pair()
     return results[0], results[1]
 
 

@@ -1,39 +1,13 @@
 """Record the communication a process really posts, as a trace for :mod:`..orders.nccl_model`.
 
-Inside ``with CommRecorder() as rec:`` every ``torch.distributed`` point-to-point op, batch
-and collective this process posts (torch's pipelining, FSDP2, our twins and losses alike) is
-recorded in posting order with the communicator NCCL would run it on, and so is every
-``Work.wait()``. Functional collectives (``torch.ops._c10d_functional``: torchtitan's expert
-parallelism, DTensor redistribution, our relayed exchange) are recorded too, on their group's
-communicator, and each ``wait_tensor`` on a result as a wait. Gather the ranks' ``rec.events``
-into ``{rank: events}`` and call :func:`~titan_dualpipe.orders.nccl_model.check_completes`: an
-order that gloo completes (it buffers sends) but that would hang under NCCL then fails on a CPU
-machine.
-
-Threads: every thread of the process is recorded (the relay runs a pair's backward half on a
-helper thread), in one sequence. The ``torch.distributed`` functions and the functional ops'
-``torch.ops._c10d_functional.<op>(...)`` entry points are patched process-wide; functional
-collectives that torch calls from C++ (the autograd variants such as
-``all_to_all_single_autograd``, an op's ``.default`` overload) are seen through a dispatch mode,
-which sees the thread that entered the recorder (and the autograd threads it starts) only.
-
-Compiled code stays compiled under the recorder: its dispatch mode lets torch.compile build
-graphs (``_FunctionalMode.ignore_compile_internals``), and does not see the ops inside a
-compiled graph (a functional collective compiled into one is not recorded).
-
-Communicators: lone p2p ops are recorded on lazy init's two-rank communicators;
-``rec.eager_groups`` names the groups whose NCCL communicator was created eagerly
-(:func:`nccl_eager_init`), on which NCCL runs them instead (pass it to
-:func:`~titan_dualpipe.orders.nccl_model.check_completes_eager`).
-
-With ``device=``, every tensor handed to a collective or p2p op must live on that device (the
-stages' device: NCCL rejects CPU tensors); a call that breaks the rule raises
-:class:`WrongDevice` before it communicates. Under ``with torch.device("meta"):`` a tensor made
-without ``device=`` lands on ``meta``, so a CPU machine catches what would be a CPU tensor on
-a GPU machine.
-
-For tests and ``titan-dualpipe check``; it patches module attributes while active, so use it
-around a whole ``step()``, not concurrently with another recorder.
+gloo buffers sends, so an order can complete on the CPU and still hang under NCCL. Inside
+``with CommRecorder() as rec:`` every ``torch.distributed`` point-to-point op, batch and
+collective, and every functional collective, this process posts (torch's pipelining, FSDP2, our
+twins and losses, torchtitan's expert parallelism, DTensor), and every wait, is recorded in posting
+order with the communicator NCCL would run it on. Gather the ranks' ``rec.events`` into
+``{rank: events}`` and call :func:`~titan_dualpipe.orders.nccl_model.check_completes`: an order
+that would hang under NCCL then fails on a CPU machine. For tests and ``titan-dualpipe check``
+(docs/numerics.md#nccls-semantics-on-the-cpu).
 """
 
 from __future__ import annotations
@@ -177,7 +151,20 @@ class _FunctionalMode(TorchDispatchMode):
 
 
 class CommRecorder:
-    """Context manager; ``events`` holds this process's posts and waits (see module docstring)."""
+    """Context manager; ``events`` holds this process's posts and waits, every thread's in one
+    sequence (the relay runs a pair's backward half on a helper thread).
+
+    While active it patches the ``torch.distributed`` functions and the
+    ``torch.ops._c10d_functional`` entry points process-wide: use it around a whole ``step()``,
+    never beside another recorder. Functional collectives that torch calls from C++ (the autograd
+    variants such as ``all_to_all_single_autograd``, an op's ``.default`` overload) are seen
+    through a dispatch mode, on the entering thread and the autograd threads it starts only; ops
+    inside a compiled graph are not seen (the mode lets torch.compile build graphs). Lone p2p ops
+    are recorded on lazy init's two-rank communicators; ``eager_groups`` names the groups whose
+    NCCL communicator was made eagerly (:func:`nccl_eager_init`; pass it to
+    :func:`~titan_dualpipe.orders.nccl_model.check_completes_eager`). With ``device=``, a tensor
+    handed to an op off that device raises :class:`WrongDevice` before it communicates; under
+    ``with torch.device("meta"):`` a CPU machine so catches what would be a CPU tensor on a GPU."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None

@@ -1,29 +1,10 @@
 """The small runtime: executes one rank's lowered order for one ``step()``.
 
-What each action does (stage ``s``, microbatch ``m``):
-
-=============  ==========================================================================
-``sF m``       wait for ``s``'s input (a posted RECV_F, or the hand-off from the same-rank
-               previous stage), run the forward; on a chain's last stage compute the loss;
-               hand the output to the next stage if it lives on this rank.
-``sB m``       wait for the output grad (RECV_B or same-rank hand-off), run the full
-               backward, hand the input grad to a same-rank previous stage.
-``sI m``       as B but the weight gradient is left to the matching W: by default one backward
-               with the weight GEMMs queued (:mod:`.deferred_weights`), else torch's split or
-               the full backward (:mod:`.split_backward`). A chain's first stage has no input
-               grad, so its I does nothing and its W runs the backward.
-``sW m``       run the weight gradient ``sI m`` left (its queued GEMMs, torch's weight pass, or
-               nothing if ``sI m`` ran it all).
-``OVERLAP_F_B`` the pair ``(F; B)``; run by the schedule's pair runner (overlapped or one
-               after the other).
-``SEND_*``     post an async send of ``s``'s activation / input grad; waited at step end.
-``RECV_*``     post an async recv into ``s``'s buffers; waited just before its consumer.
-``UNSHARD``    FSDP: start all-gathering ``s``'s parameters; RESHARD frees them again.
-``REDUCE_GRAD`` after ``s``'s last backward: FSDP gradient reduction, then divide grads by
-               ``n_microbatches`` when ``scale_grads``. With ``defer_reduce_grad_wait``
-               (torch 2.15+, FSDP2) it only starts the reduction; ``WAIT_REDUCE_GRAD``
-               waits for it, then divides.
-=============  ==========================================================================
+One handler per action type (``_HANDLERS``), over per-step state: the receives posted and not yet
+waited, the sends in flight, the backward counts and the step's
+:class:`~titan_dualpipe.weights.plan.BackwardPlan`, which says how each ``B``, ``I`` and ``W``
+runs. It reads its schedule only through :class:`~titan_dualpipe.runtime.view.ScheduleView`.
+docs/architecture.md#the-executor tells what each action does.
 """
 
 from __future__ import annotations
@@ -65,16 +46,16 @@ from .._compat.pipelining import (
 )
 from .failures import PeerFailed, first_line, peer_failed, record, root_cause
 from .fsdp import fsdp_modules, unshard_all
-from .in_flight import work_while_exchanges_fly
 from ..orders.dataflow import input_source, output_destination, peer_stage
 from ..orders.placement import Placement
-from ..orders.two_batch import lone_forwards
-from .split_backward import SplitDecisions
+from ..orders.lone_actions import lone_forwards
+from ..weights.plan import AT_WEIGHT, COLLECTED, DEFERRED, DONE, QUEUED, WHOLE, BackwardPlan
 from .timeline import StepClock, TimedAction, clock_for, span_seconds
+from .view import ScheduleView
 
 BACKWARD_ONLY = (B, I, W, SEND_B, RECV_B, REDUCE_GRAD, WAIT_REDUCE_GRAD)
 _HANDLERS: dict[Any, str] = {  # action type -> StepExecutor method
-    F: "forward", B: "backward", I: "backward", W: "weight", OVERLAP_F_B: "pair",
+    F: "handle_forward", B: "handle_backward", I: "handle_backward", W: "handle_weight", OVERLAP_F_B: "handle_pair",
     SEND_F: "send_forward", SEND_B: "send_backward", RECV_F: "recv_forward", RECV_B: "recv_backward",
     UNSHARD: "unshard", RESHARD: "reshard", REDUCE_GRAD: "reduce_grad", WAIT_REDUCE_GRAD: "wait_reduce_grad",
 }
@@ -82,11 +63,15 @@ logger = logging.getLogger("titan_dualpipe")
 
 
 class StepExecutor:
-    """Per-step state and one handler per action type (see the module table)."""
+    """Per-step state and one handler per action type.
+
+    ``handle_*`` take an action from the order (timed, on sub-batches where its microbatch runs as
+    two); ``run_forward`` / ``run_backward`` / ``run_weight`` do one stage's work for one
+    microbatch, and are what the pair and sub-batch runners call."""
 
     def __init__(
         self,
-        schedule: Any,
+        view: ScheduleView,
         place: Placement,
         arg_mbs: list,
         kwarg_mbs: list,
@@ -95,44 +80,39 @@ class StepExecutor:
         return_outputs: bool,
         failure_scope: str = "",
     ) -> None:
-        self.schedule = schedule
+        self.view = view
+        self.options = view.options
         self.failure_scope = failure_scope
         self.place = place
-        self.stages = {stage.stage_index: stage for stage in schedule._stages}
-        self.rank = schedule.rank
-        self.me = schedule.rank_name()
+        self.stages = view.stages
+        self.rank = view.rank
+        self.me = view.rank_name
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.loss_kwargs = loss_kwargs
         self.return_outputs = return_outputs
-        self.training = schedule._has_backward
-        # The step's state lives on the schedule under torch's runtime names (fwd_recv_ops,
-        # bwd_recv_ops, backward_counter, the losses behind _maybe_compute_loss/_maybe_get_loss),
-        # so custom functions written for torch's runtime find it there.
-        self.losses: dict[int, torch.Tensor] = schedule._step_losses
-        self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = schedule.fwd_recv_ops
-        self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = schedule.bwd_recv_ops
+        self.training = view.training
+        # torch's runtime state (see TorchStepState): custom functions written for it find it there
+        self.torch_state = view.state
+        self.losses: dict[int, torch.Tensor] = view.state.losses
+        self.fwd_recvs: dict[tuple[int, int], list[dist.Work]] = view.state.fwd_recvs
+        self.bwd_recvs: dict[tuple[int, int], list[dist.Work]] = view.state.bwd_recvs
+        self.backward_count: Counter[int] = view.state.backward_count
         self.sends: list[tuple[_Action, list[dist.Work]]] = []
         self.upcoming: list[_Action] = []  # the rest of the order, while run() executes it
         self.done_early: set[_Action] = set()  # communication posted ahead of its place
-        self.backward_count: Counter[int] = schedule.backward_counter
-        self.backward_at_weight: set[tuple[int, int]] = set()
-        self.queue = schedule.weight_queue
-        self.deferring: set[tuple[int, int]] = set()  # (stage, mb) whose forward defers its weight GEMMs
-        self.deferred_forwards: set[tuple[int, int]] = set()  # ... and whose forward did
         self.unreduced_holders: dict[int, set[int]] = {}  # by parameter: this rank's stages yet to REDUCE_GRAD it
         self.reducing: set[int] = set()  # stages whose FSDP reduction was started, not yet waited for
         for s, stage in self.stages.items():
             for param in stage.submod.parameters():
                 self.unreduced_holders.setdefault(id(param), set()).add(s)
-        self.split = SplitDecisions(schedule.whole_backward_stages, schedule.weight_gradients,
-                                    schedule.deferred_weight_stages)
-        self.two_batch: set[tuple[int, int]] = set()  # (stage, mb) whose forward runs in halves if it can
-        self.halves: dict[tuple[int, int], Any] = {}  # microbatches that ran in halves, until their backward
-        self.timeline: list[TimedAction] | None = [] if schedule.record_timeline else None
+        self.plan: BackwardPlan | None = None  # how each backward runs (set by run())
+        self.two_batch: set[tuple[int, int]] = set()  # (stage, mb) whose forward runs as two sub-batches if it can
+        self.sub_batches: dict[tuple[int, int], Any] = {}  # microbatches that ran as sub-batches, until their backward
+        self.timeline: list[TimedAction] | None = [] if self.options.record_timeline else None
         # Timed on the stages' device (CUDA events on a GPU, where the host clock would time
         # launches); the marks become seconds once the step is over (_resolve_timeline).
         self._clock: StepClock | None = None
-        if schedule.record_timeline:
+        if self.options.record_timeline:
             self._clock = clock_for(next(iter(self.stages.values())).device)
         self._spans: list[tuple[_Action, Any, Any]] = []
 
@@ -142,8 +122,9 @@ class StepExecutor:
         exception: record it for the other ranks (:mod:`.failures`), log the order with the
         failing action's row marked, re-raise."""
         self.upcoming = list(reversed(actions))  # popped from the end
-        self.two_batch = {key for key in lone_forwards(actions) if key[0] in self.schedule.two_batch_stages}
-        self.deferring = self._deferring_microbatches(actions) if self.training else set()
+        self.two_batch = {key for key in lone_forwards(actions) if key[0] in self.view.two_batch_stages}
+        self.plan = self.view.weights.plan_step(actions, self.place, self.view.custom_functions, self.two_batch,
+                                                self.training)
         action: _Action | None = None
         try:
             while self.upcoming:
@@ -168,44 +149,16 @@ class StepExecutor:
             self._report(err, actions, action)
             raise
         finally:
-            self.queue.forget_casts()  # autocast's weight casts live for one step, as under autocast
-
-    def _deferring_microbatches(self, actions: list[_Action]) -> set[tuple[int, int]]:
-        """The (stage, mb) of deferring stages whose forward builds deferrable weight GEMMs: those whose
-        backward leaves them to a W (an ``I``, but on a chain's first stage, whose W runs the whole
-        backward), or computes them while its exchanges fly (any backward of a weights-in-flight
-        stage: a ``B``, and a chain's first stage's backward in two halves, so that each weight's
-        gradient reaches autograd once, whole). The others' forwards are plain autograd (a
-        microbatch in halves on a stage without exchanges then accumulates per half, its operands
-        not held to the backward's end), and so is any whose backward or W a custom function runs
-        (``register_custom_function``)."""
-        custom = self.schedule._comp_type_to_function_map
-        keys = set()
-        for action in actions:
-            pair = action.computation_type == OVERLAP_F_B
-            if pair and OVERLAP_F_B in custom:
-                continue
-            for a in action.sub_actions if pair else (action,):
-                key, kind = (a.stage_index, a.microbatch_index), a.computation_type
-                if kind not in (B, I) or kind in custom or (kind == I and W in custom):
-                    continue
-                if key[0] not in self.schedule.deferred_weight_stages:
-                    continue
-                flying = key[0] in self.schedule.weights_in_flight_stages
-                if kind == I and not self.place.is_first(key[0]):
-                    keys.add(key)
-                elif flying and (kind == B or key in self.two_batch):
-                    keys.add(key)
-        return keys
+            self.view.weights.end_step()
 
     def _perform(self, action: _Action) -> None:
         """``action`` by its custom function (``register_custom_function``, called as torch's runtime
         does) or its handler. Forward only (eval): a pair runs its forward action alone."""
         if not self.training and action.computation_type == OVERLAP_F_B:
             action = action.sub_actions[0]
-        custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
+        custom = self.view.custom_functions.get(action.computation_type)
         if custom is not None:
-            custom(action, _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None))
+            custom(action, _PipelineContext(self.view.torch_schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None))
         else:
             self._handle(action)
 
@@ -221,7 +174,7 @@ class StepExecutor:
             record(self.failure_scope, f"{self.me} raised {type(root).__name__} {where}: {first_line(root)}")
         row = actions.index(action) if action is not None else None
         logger.error("pipeline rank %s failed %s (row %s of its order, marked):\n%s", self.rank, where, row,
-                     _format_pipeline_order(self.schedule.pipeline_order_with_comms, error_step_number=row))
+                     _format_pipeline_order(self.view.order_with_comms, error_step_number=row))
 
     def _post(self, ops: list[dist.P2POp], action: _Action) -> list[dist.Work]:
         """Post ``action``'s p2p ops; if its peer stopped (gloo can tell at posting), raise
@@ -264,50 +217,48 @@ class StepExecutor:
                          for (action, _, _), (start, end) in zip(self._spans, seconds)]
 
     # -- compute ----------------------------------------------------------------------------
-    def forward(self, action: _Action) -> None:
-        """A lone forward: on two halves of its microbatch where two-batch overlap is on."""
+    def handle_forward(self, action: _Action) -> None:
+        """A lone forward: on two sub-batches of its microbatch where two-batch overlap is on."""
         key = (action.stage_index, action.microbatch_index)
         if key in self.two_batch:
-            self.timed(action, lambda: self.schedule.halves_runner.forward(self, action))
-            if not self.training:  # no backward will read the halves: keep neither them nor the joined output
-                self.halves.pop(key, None)
+            self.timed(action, lambda: self.view.sub_batch_runner.forward(self, action))
+            if not self.training:  # no backward will read the sub-batches: keep neither them nor the joined output
+                self.sub_batches.pop(key, None)
         else:
             self.timed(action, lambda: self.run_forward(action))
 
-    def backward(self, action: _Action) -> None:
-        self.timed(action, self._on_halves(action, lambda: self.run_backward(action)))
+    def handle_backward(self, action: _Action) -> None:
+        self.timed(action, self._on_sub_batches(action, lambda: self.run_backward(action)))
 
-    def weight(self, action: _Action) -> None:
-        self.timed(action, self._on_halves(action, lambda: self.run_weight(action)))
+    def handle_weight(self, action: _Action) -> None:
+        self.timed(action, self._on_sub_batches(action, lambda: self.run_weight(action)))
 
-    def _on_halves(self, action: _Action, run: Callable[[], None]) -> Callable[[], None]:
-        """``run``, with its backward on the two halves when the microbatch's forward ran in halves."""
-        if (action.stage_index, action.microbatch_index) not in self.halves:
+    def _on_sub_batches(self, action: _Action, run: Callable[[], None]) -> Callable[[], None]:
+        """``run``, with its backward on the two sub-batches when the microbatch's forward ran as sub-batches."""
+        if (action.stage_index, action.microbatch_index) not in self.sub_batches:
             return run
-        return lambda: self.schedule.halves_runner.backward(self, action, run)
+        return lambda: self.view.sub_batch_runner.backward(self, action, run)
 
-    def pair(self, action: _Action) -> None:
+    def handle_pair(self, action: _Action) -> None:
         """An overlapped pair: forward ``sub_actions[0]``, full backward ``sub_actions[1]``."""
         forward, backward = action.sub_actions
         if not self.training:
-            self.forward(forward)
+            self.handle_forward(forward)
             return
-        self.timed(action, lambda: self.schedule.pair_runner(self, forward, backward))
+        self.timed(action, lambda: self.view.pair_runner(self, forward, backward))
 
     def run_forward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
         stage = self.stages[s]
-        self.schedule._assert_unsharded(stage)
+        self.torch_state.assert_unsharded(stage)
         self.wait_input(action)
-        defers = (s, mb) in self.deferring
-        with self.split.observe_forward(s, mb), self.queue.deferring(defers):
+        with self.plan.forward(s, mb):
             output = stage.forward_one_chunk(
                 mb, self.arg_mbs[mb], self.kwarg_mbs[mb], save_forward_output=self.return_outputs
             )
-        if defers:
-            self.deferred_forwards.add((s, mb))
-        if self.place.is_last(s) and self.schedule._loss_fn is not None and self.target_mbs is not None:
-            loss = self.schedule._compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
+        compute_loss = self.view.compute_loss
+        if self.place.is_last(s) and compute_loss is not None and self.target_mbs is not None:
+            loss = compute_loss(output, self.target_mbs[mb], self.loss_kwargs)
             self.losses[mb] = loss if self.training else loss.detach()
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
@@ -328,65 +279,49 @@ class StepExecutor:
     def run_backward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
         stage = self.stages[s]
-        self.schedule._assert_unsharded(stage)
+        self.torch_state.assert_unsharded(stage)
         self.wait_input(action)
-        if action.computation_type == I and self.place.is_first(s):
-            self.backward_at_weight.add((s, mb))
+        how = self.plan.at_backward(action.computation_type == I, s, mb, self.place.is_first(s))
+        if how == AT_WEIGHT:
             return
-        how = "whole" if action.computation_type == B else self.split.at_input(s, mb)
-        if how == "deferred" and (s, mb) not in self.deferred_forwards:  # its forward ran elsewhere: plain autograd
-            how = "whole"
-        if action.computation_type == B and (s, mb) in self.deferred_forwards:
-            self._collected_full_backward(stage, s, mb, self.count_backward(s))
-        elif how == "deferred":  # full backward; the weight GEMMs wait in the queue for W, which counts it
-            with self.queue.collecting((s, mb)):
-                stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=False)
-            self.deferred_forwards.discard((s, mb))
+        loss = self.losses.get(mb)
+        if how == COLLECTED:
+            self._collected_full_backward(stage, mb, self.count_backward(s))
+        elif how == DEFERRED:  # the weight GEMMs wait in the queue for W, which counts the backward
+            self.plan.queued_at_input((s, mb), lambda: stage.backward_one_chunk(
+                mb, loss=loss, full_backward=True, last_backward=False))
             self._backward_done(s, mb)
-            self.split.ran_at_input(s, mb, how)
-        else:
-            if how == "split":
-                _unshard_nested(stage)
-            full = how == "whole"
-            stage.backward_one_chunk(
-                mb, loss=self.losses.get(mb), full_backward=full, last_backward=full and self.count_backward(s)
-            )
-            if full:
-                self._backward_done(s, mb)
-                if action.computation_type == I:
-                    self.split.ran_at_input(s, mb, how)
+        elif how == WHOLE:
+            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=self.count_backward(s))
+            self._backward_done(s, mb)
+        else:  # SPLIT: torch's input half; its W runs the weight half
+            _unshard_nested(stage)
+            stage.backward_one_chunk(mb, loss=loss, full_backward=False, last_backward=False)
         dest = output_destination(action, self.place)
         if dest is not None and dest.stage in self.stages:  # same-rank neighbour: in memory
             self.stages[dest.stage].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
-    def _collected_full_backward(self, stage: Any, s: int, mb: int, last: bool) -> None:
-        """A full backward whose forward deferred (a ``B`` of a stage that posts exchanges, or of a
-        microbatch in halves; a chain's first stage's backward at its ``W``): its weight GEMMs queue
-        as at an ``I``, are computed while its exchanges fly (:mod:`.in_flight`), and go to autograd
-        together at its end, in the order they were queued: the gradients do not depend on which
-        ran in flight, and each weight's accumulation (its hooks) runs once, as under one plain
-        backward, also when the microbatch backpropagates in two halves."""
-        key = (s, mb)
-        with self.queue.collecting(key), work_while_exchanges_fly(lambda: self.queue.compute_in_flight(key)):
-            stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
-        self.queue.run(key, at_weight=False)
-        self.deferred_forwards.discard(key)
-        self._backward_done(s, mb)
+    def _collected_full_backward(self, stage: Any, mb: int, last: bool) -> None:
+        """A full backward whose forward deferred: its weight GEMMs computed while its exchanges fly
+        and given to autograd at its end (:meth:`~titan_dualpipe.weights.plan.BackwardPlan.collected`)."""
+        self.plan.collected((stage.stage_index, mb), lambda: stage.backward_one_chunk(
+            mb, loss=self.losses.get(mb), full_backward=True, last_backward=last))
+        self._backward_done(stage.stage_index, mb)
 
     def run_weight(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
         stage = self.stages[s]
-        self.schedule._assert_unsharded(stage)
-        if self.split.weight_already_done(s, mb):  # its I ran the whole backward (and counted it)
+        self.torch_state.assert_unsharded(stage)
+        how = self.plan.at_weight(s, mb)
+        if how == DONE:  # its I ran the whole backward (and counted it)
             return
         last = self.count_backward(s)
-        if self.split.take_deferred(s, mb):
-            self.queue.run((s, mb))
-        elif (s, mb) in self.backward_at_weight:
-            self.backward_at_weight.remove((s, mb))
-            if (s, mb) in self.deferred_forwards:
-                self._collected_full_backward(stage, s, mb, last)
-                return
+        if how == COLLECTED:
+            self._collected_full_backward(stage, mb, last)
+            return
+        if how == QUEUED:
+            self.plan.run_queued((s, mb))
+        elif how == WHOLE:
             stage.backward_one_chunk(mb, loss=self.losses.get(mb), full_backward=True, last_backward=last)
         else:
             _unshard_nested(stage)
@@ -446,7 +381,7 @@ class StepExecutor:
             if all(work.is_completed() for work in self.sends[i][1]):
                 self._retire_send(i)
         self.sends.append((action, works))
-        cap = self.schedule.max_outstanding_sends
+        cap = self.options.max_outstanding_sends
         while cap is not None and len(self.sends) > cap:
             self._retire_send(0)
 
@@ -489,19 +424,19 @@ class StepExecutor:
     def unshard(self, action: _Action) -> None:
         stage = self.stages[action.stage_index]
         if isinstance(stage.submod, FSDPModule):
-            handles = self.schedule.unshard_ops[action.stage_index]
+            handles = self.torch_state.unshard_ops[action.stage_index]
             handles.extend(module.unshard(async_op=True) for module in fsdp_modules(stage.submod))
 
     def reshard(self, action: _Action) -> None:
         stage = self.stages[action.stage_index]
         if isinstance(stage.submod, FSDPModule):
             if action.stage_index in self.reducing:  # its reduction reshards it when it finishes
-                self.schedule.unsharded_stages.discard(action.stage_index)
+                self.torch_state.unsharded_stages.discard(action.stage_index)
                 return
-            self.schedule._assert_unsharded(stage)  # finishes a pending unshard first
+            self.torch_state.assert_unsharded(stage)  # finishes a pending unshard first
             for module in fsdp_modules(stage.submod):
                 module.reshard()
-            self.schedule.unsharded_stages.discard(action.stage_index)
+            self.torch_state.unsharded_stages.discard(action.stage_index)
 
     def reduce_grad(self, action: _Action) -> None:
         """torch's reduction (FSDP's post-backward), then each of the stage's gradients divided by the
@@ -510,7 +445,7 @@ class StepExecutor:
         ``defer_reduce_grad_wait`` an FSDP2 reduction is only started here (its WAIT_REDUCE_GRAD
         finishes it), so it runs while the rank computes on."""
         stage = self.stages[action.stage_index]
-        if self.schedule.defer_reduce_grad_wait and reduces_asynchronously(stage):
+        if self.options.defer_reduce_grad_wait and reduces_asynchronously(stage):
             stage.start_gradient_reduction()
             self.reducing.add(action.stage_index)
             return
@@ -529,13 +464,13 @@ class StepExecutor:
 
     def _scale_reduced(self, stage_index: int) -> None:
         stage = self.stages[stage_index]
-        if not self.schedule.scale_grads:
+        if not self.options.scale_grads:
             return
         for param in stage.submod.parameters():
             holders = self.unreduced_holders.get(id(param), set())  # FSDP2 may have swapped in other objects
             holders.discard(stage_index)
             if not holders and param.grad is not None:
-                param.grad.div_(self.schedule._n_microbatches)
+                param.grad.div_(self.options.n_microbatches)
 
 
 def _unshard_nested(stage: Any) -> None:

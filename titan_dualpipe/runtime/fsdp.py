@@ -1,5 +1,5 @@
 """FSDP2 helpers of the runtime: a stage module's FSDP modules, gathered together, and kept
-gathered across the two halves of a split microbatch."""
+gathered across the two sub-batches of a split microbatch."""
 
 from __future__ import annotations
 
@@ -25,22 +25,22 @@ def unshard_all(module: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def gathered_for_both_halves(module: nn.Module) -> Iterator[None]:
-    """Two forwards through ``module`` inside the block (a microbatch's halves, interleaved) that
+def gathered_for_both_sub_batches(module: nn.Module) -> Iterator[None]:
+    """Two forwards through ``module`` inside the block (a microbatch's sub-batches, interleaved) that
     call its FSDP2 modules alike, each as often: the k-th call of either gathers a module's
     parameters once for both.
 
-    FSDP2 alone reshards at every post-forward, so the partner half's matching call would
-    gather again (an all-gather per call more than the whole microbatch posts), and a half that
+    FSDP2 alone reshards at every post-forward, so the partner sub-batch's matching call would
+    gather again (an all-gather per call more than the whole microbatch posts), and a sub-batch that
     hands over inside a module's call (torchtitan's blocks) would find its parameters freed by
     the partner's post-forward when it resumes. Here a group's odd post-forwards
-    keep its parameters gathered and its even ones (both halves past the call) reshard them by
+    keep its parameters gathered and its even ones (both sub-batches past the call) reshard them by
     its ``reshard_after_forward``, as the whole microbatch's post-forward would, even where the
     partner's post-forward left the group idle (FSDP2 then reshards whatever the setting: a
     group kept gathered, ``reshard_after_forward=False`` or folded twins, would be gathered again). A module one
-    half calls more often than the other may gather again; a call left unmatched at the end is
-    resharded as a post-forward would. Memory: a module stays gathered from the first half's
-    call to the second's (the halves interleave at their exchanges, so usually one module).
+    sub-batch calls more often than the other may gather again; a call left unmatched at the end is
+    resharded as a post-forward would. Memory: a module stays gathered from the first sub-batch's
+    call to the second's (the sub-batches interleave at their exchanges, so usually one module).
     """
     calls: Counter = Counter()
 

@@ -10,11 +10,12 @@ action (``_create_pair_communicators``), so none is created lazily mid-schedule.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from .._compat.pipelining import (
     RECV_B,
@@ -42,11 +43,10 @@ from .executor import StepExecutor
 from .failures import named_for_every_rank, record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
-from .two_batch import HalvesRunner, has_exchanges, two_batch_stages
+from .sub_batch_runner import SubBatchRunner, has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
-from .split_backward import whole_backward_reason
-from .deferred_weights import (DEFERRING_MODES, WeightGradQueue, compiled_hooks_problem, install, routed_to,
-                               uninstall, weight_gradients_problem)
+from .view import ScheduleView, StepOptions, TorchStepState
+from ..weights.policy import WeightGradients, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, grads_before_step, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, data_parallel_problem, microbatch_signature,
                          runtime_options_problem,
@@ -65,6 +65,24 @@ def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
     agree(problem, stages[0].group, stages[0].device)
 
 
+_RENAMED_KEYWORDS = {"weights_in_flight": "weight_gemms_in_flight"}  # old -> new
+
+
+def _renamed_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """Accept a renamed keyword under its old name, with a DeprecationWarning naming the new one."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        for old, new in _RENAMED_KEYWORDS.items():
+            if old in kwargs:
+                warnings.warn(f"{type(self).__name__}({old}=...) is deprecated: use {new}=...", DeprecationWarning,
+                              stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    return wrapper
+
+
 @with_start_up
 class _DualPipeFamily(_PipelineScheduleRuntime):
     """What ScheduleDualPipeV and ScheduleDualPipe share.
@@ -75,12 +93,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     - ``overlap`` (default True): run overlapped pairs with overlap (see
       :mod:`titan_dualpipe.overlap`); False runs each pair's halves one after the other.
     - ``two_batch_overlap`` (default False): True runs each forward that has no pair partner on
-      two halves of its microbatch, relayed like a pair, so each half's exchanges hide behind the
-      other half's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage
-      (:mod:`titan_dualpipe.runtime.two_batch`, :mod:`titan_dualpipe.overlap.two_batch`).
+      two sub-batches of its microbatch, relayed like a pair, so each sub-batch's exchanges hide behind the
+      other's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage
+      (:mod:`titan_dualpipe.runtime.sub_batch_runner`, :mod:`titan_dualpipe.overlap.sub_batches`).
     - ``weight_gradients`` (default ``"deferred"``): how an ``I`` leaves the weight gradient to
       its ``W``. ``"deferred"``: one autograd pass at ``I``, each ``nn.Linear``'s weight GEMM
-      queued for ``W`` (:mod:`titan_dualpipe.runtime.deferred_weights`; activation-checkpointed
+      queued for ``W`` (:mod:`titan_dualpipe.weights`; activation-checkpointed
       regions recompute once); ``"split"``: torch's split of the graph (a checkpointed
       microbatch then runs whole at ``I``); ``"whole"``: every backward whole at ``I``, ``W``
       a no-op. A stage holding compiled blocks runs whole at ``I`` (torch's split would run a
@@ -89,10 +107,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       (docs/compile.md: measured slower on CPU than whole at ``I``).
     - ``not_deferred``: module names (``fnmatch`` patterns or module paths inside a stage module)
       whose weight GEMMs are not deferred; ``deferred_weights[stage_index]`` lists those that are.
-    - ``weights_in_flight`` (default True): a full backward (``B``, a pair's backward) of a
+    - ``weight_gemms_in_flight`` (default True): a full backward (``B``, a pair's backward) of a
       deferring stage that posts expert-parallel exchanges queues its weight GEMMs too, and each
       exchange it posts runs those queued so far while it travels
-      (:mod:`titan_dualpipe.runtime.in_flight`); False computes them inline. Same gradients.
+      (:mod:`titan_dualpipe.weights.in_flight`); False computes them inline. Same gradients.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -101,11 +119,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     """
 
     schedule_name: ClassVar[str]
-    # the runners of overlapped pairs and of lone forwards in halves: the runtime has none (it never
+    # the runners of overlapped pairs and of lone forwards as sub-batches: the runtime has none (it never
     # imports titan_dualpipe.overlap); the classes the package exports (overlap/schedules.py) set both
     overlapped_pair_runner: ClassVar[PairRunner | None] = None
-    halves_runner: ClassVar[HalvesRunner | None] = None
+    sub_batch_runner: ClassVar[SubBatchRunner | None] = None
 
+    @_renamed_keywords
     def __init__(
         self,
         stages: list[_PipelineStageBase],
@@ -126,7 +145,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         two_batch_overlap: bool | str = False,
         weight_gradients: str = "deferred",
         not_deferred: Sequence[str] = (),
-        weights_in_flight: bool = True,
+        weight_gemms_in_flight: bool = True,
         record_timeline: bool = False,
     ) -> None:
         weight_gradients_problem(weight_gradients, not_deferred)
@@ -153,14 +172,14 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.max_outstanding_sends = max_outstanding_sends
         self._map_stages_to_ranks()
         self._choose_how_actions_run(overlap, split_stages, record_timeline)
-        self._choose_weight_gradients(weight_gradients, not_deferred, weights_in_flight)
+        self._choose_weight_gradients(weight_gradients, not_deferred, weight_gemms_in_flight)
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
     def _check_and_place(self, stages: list[_PipelineStageBase], n_microbatches: int, overlap: bool,
                          two_batch_overlap: bool | str) -> set[int]:
         """Check the options (before any collective), agree on the construction across ranks and
-        set the placement; returns the stages whose lone microbatches run in halves."""
+        set the placement; returns the stages whose lone microbatches run as sub-batches."""
         modules = {s.stage_index: s.submod for s in stages} if isinstance(stages, (list, tuple)) else {}
         split_stages = two_batch_stages(two_batch_overlap, overlap, modules)
         _agree_on_construction(self.schedule_name, stages, n_microbatches)
@@ -185,7 +204,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
                 set_chain_ends(stage, first=place.is_first(stage.stage_index), last=place.is_last(stage.stage_index))
 
     def _choose_how_actions_run(self, overlap: bool, split_stages: set[int], record_timeline: bool) -> None:
-        """Pairs overlapped or not, lone forwards in halves, FSDP at the step's edges, whole backwards."""
+        """Pairs overlapped or not, lone forwards as sub-batches, FSDP at the step's edges, whole backwards."""
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
@@ -194,46 +213,24 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
 
-    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], weights_in_flight: bool) -> None:
+    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], in_flight: bool) -> None:
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
-        self.weight_gradients = mode
-        self.weight_queue = WeightGradQueue()
-        self.deferred_weights: dict[int, list[str]] = {}
-        compiled = mode == "deferred_compiled"
-        # stages a static rule keeps whole at I (torch.compile'd modules), unless they defer
-        kept_whole = {s.stage_index for s in self._stages if whole_backward_reason(s.submod)}
-        for stage in self._stages:
-            module = stage.submod
-            deferring = (mode in DEFERRING_MODES and not isinstance(module, DistributedDataParallel)  # DDP reduces in autograd's hooks
-                         and (compiled or stage.stage_index not in kept_whole))
-            if deferring:
-                self.deferred_weights[stage.stage_index] = install(module, self.weight_queue, not_deferred, compiled)
-            else:
-                uninstall(module)
-        self.deferred_weight_stages = frozenset(self.deferred_weights)
-        self._deferral_settings = (list(not_deferred), compiled)
-        # a full backward of a deferring stage that posts expert-parallel exchanges runs its weight
-        # GEMMs while they fly (runtime/in_flight.py); elsewhere inline
-        self.weights_in_flight_stages = frozenset(
-            s.stage_index for s in self._stages
-            if weights_in_flight and s.stage_index in self.deferred_weight_stages and has_exchanges(s.submod))
-        # Stages whose backward runs whole at I (W a no-op) by a static rule: those that do not defer
-        # ("deferred_compiled": one compiled backward at I). Forwards that run activation-checkpoint
-        # regions add their microbatches step by step (runtime/split_backward.py).
-        self.whole_backward_stages = kept_whole - self.deferred_weight_stages
+        modules = self._stage_modules()
+        exchanges = {s for s, module in modules.items() if has_exchanges(module)}
+        self.weight_policy = WeightGradients(mode, not_deferred, in_flight, modules, exchanges)
 
-    def _route_weight_gradients(self) -> None:
-        """Point the deferring stages' modules at this schedule's queue, and give the other stages'
-        modules their own classes back. Another schedule built over the same modules (an eval
-        schedule, a benchmark's baseline) installs them for itself: left so, this schedule's
-        GEMMs would run inline at I, and torch's W would meet our nodes."""
-        not_deferred, compiled = self._deferral_settings
-        for stage in self._stages:
-            names = self.deferred_weights.get(stage.stage_index)
-            if names is None:
-                uninstall(stage.submod)
-            elif not routed_to(stage.submod, names, self.weight_queue):
-                install(stage.submod, self.weight_queue, not_deferred, compiled)
+    @property
+    def weight_gradients(self) -> str:
+        """The ``weight_gradients`` option."""
+        return self.weight_policy.mode
+
+    @property
+    def deferred_weights(self) -> dict[int, list[str]]:
+        """By deferring stage, the modules whose weight GEMMs wait for ``W``."""
+        return self.weight_policy.deferred_weights
+
+    def _stage_modules(self) -> dict[int, torch.nn.Module]:
+        return {stage.stage_index: stage.submod for stage in self._stages}
 
     def _folds_twins(self) -> bool:
         """Whether FSDP2 shards DualPipe's twin copies as one parameter (see ``ScheduleDualPipe``)."""
@@ -300,8 +297,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             raise RuntimeError("step() needs gradients enabled (it runs the backward); use eval() under torch.no_grad()")
         arg_mbs, kwarg_mbs, target_mbs = self._agreed_microbatches(args, kwargs, target, arg_mbs, kwarg_mbs,
                                                                    target_mbs)
-        self.weight_queue.clear()  # nothing a failed step queued
-        self._route_weight_gradients()
+        self.weight_policy.route(self._stage_modules())
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
@@ -411,11 +407,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     def _stage_modules_problem(self) -> str:
         """What the stage modules have become since construction that this schedule cannot run (hooks
         registered on compiled blocks' deferred weights, say); checked at the first step and eval."""
-        if self.weight_gradients != "deferred_compiled":
-            return ""
-        not_deferred, _ = self._deferral_settings
-        return next((problem for stage in self._stages if stage.stage_index in self.deferred_weight_stages
-                     if (problem := compiled_hooks_problem(stage.submod, not_deferred))), "")
+        return self.weight_policy.modules_problem(self._stage_modules())
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
@@ -430,18 +422,30 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
             self._before_first_step()
         self._reset_step_state(loss_kwargs)
-        executor = StepExecutor(self, self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs,
-                                failure_scope=scope)
+        executor = StepExecutor(self._view(), self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
+                                return_outputs, failure_scope=scope)
         executor.run(self.pipeline_order_with_comms[self.rank])
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
         with named_for_every_rank(scope, self.rank_name(), "after the last action"):
             self._after_step(executor)
-        self.whole_backwards = set(executor.split.whole)  # (stage, mb) whose I ran the full backward
+        self.whole_backwards = set(executor.plan.whole)  # (stage, mb) whose I ran the full backward
         if self.record_timeline:
             self.timeline = executor.timeline
         self._publish_losses(executor, losses)
         self._reset_step_state(None)  # the step's losses and receives are not kept past it
+
+    def _view(self) -> ScheduleView:
+        """What the executor sees of this schedule for one step."""
+        options = StepOptions(self._n_microbatches, self.scale_grads, self.defer_reduce_grad_wait,
+                              self.max_outstanding_sends, self.record_timeline)
+        state = TorchStepState(self._step_losses, self.fwd_recv_ops, self.bwd_recv_ops, self.backward_counter,
+                               self.unshard_ops, self.unsharded_stages, self._assert_unsharded)
+        compute_loss = self._compute_loss if self._loss_fn is not None else None
+        return ScheduleView(self.rank, self.rank_name(), {s.stage_index: s for s in self._stages}, self._has_backward,
+                            self.pipeline_order_with_comms, options, state, self.weight_policy, self.pair_runner,
+                            type(self).sub_batch_runner, self.two_batch_stages, compute_loss,
+                            self._comp_type_to_function_map, self)
 
     def rank_name(self) -> str:
         """How failure reports name this rank: "pipeline rank r (global rank g)"."""

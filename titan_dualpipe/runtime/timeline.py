@@ -20,14 +20,14 @@ from .._compat.pipelining import _Action
 
 class TimedAction(NamedTuple):
     """One action (an ``OVERLAP_F_B`` pair counts as one) that ran on ``rank`` from ``start`` to ``end``;
-    ``halves``: its microbatch ran on two halves (two-batch overlap; set by the simulator, and by
+    ``sub_batches``: its microbatch ran as two sub-batches (two-batch overlap; set by the simulator, and by
     ``titan-dualpipe profile`` from the order)."""
 
     rank: int
     action: _Action
     start: float
     end: float
-    halves: bool = False
+    sub_batches: bool = False
 
 
 class StepClock(Protocol):

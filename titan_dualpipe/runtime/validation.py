@@ -34,7 +34,7 @@ def stage_problem(name: str, stages: Any) -> str:
 def data_parallel_problem(name: str, stages: Any) -> str:
     """Stage modules under a data parallelism the pipeline cannot drive: composable ``replicate``
     (DDP's reducer) reduces inside every microbatch's backward and gives wrong gradients under
-    pipelining (torch's ``ScheduleDualPipeV`` too, tests/contract_cases.py)."""
+    pipelining (torch's ``ScheduleDualPipeV`` too, tests/cases/contract_cases.py)."""
     for stage in stages:
         names = replicated_by_ddp(stage.submod)
         if names:

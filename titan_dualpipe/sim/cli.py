@@ -29,10 +29,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help=f"per-action costs KEY=VALUE,... with F, B (full backward), W (weight part of B), "
                         f"I (input part of a split backward, default B - W; I=B,W=0: backwards run whole at I), "
                         f"FB (overlapped F+B pair, default F+B), F2 and B2 (a forward and a full backward on two "
-                        f"halves of the microbatch, with --two-batch; default F and B) (default {DEFAULT_COSTS})")
+                        f"sub-batches of the microbatch, with --two-batch; default F and B) (default {DEFAULT_COSTS})")
     p.add_argument("--two-batch", action="store_true",
                    help="two-batch overlap (DualPipe, DualPipeV): lone forwards and their lone backwards run on two "
-                        "halves of the microbatch, costing F2 and B2 (see --cost); a backward run whole at I makes "
+                        "sub-batches of the microbatch, costing F2 and B2 (see --cost); a backward run whole at I makes "
                         "its W cost 0")
     p.add_argument("--p2p", type=float, default=0.0, help="latency added to each cross-rank hand-off (default 0)")
     p.add_argument("--csv", metavar="FILE", help="a torch-format CSV order (one row per rank) instead of --schedule")
@@ -135,11 +135,11 @@ def compare(pp: int, n_microbatches: int, costs: Costs, p2p: float = 0.0,
     builders += [(pipe.name, lambda pipe=pipe: pipe) for pipe in extra]
     for name, build in builders:
         split = (False, True) if two_batch and name not in TORCH_SCHEDULES else (False,)
-        for halves in split:
-            label = name + (TWO_BATCH_ROW if halves else "")
+        for sub_batches in split:
+            label = name + (TWO_BATCH_ROW if sub_batches else "")
             try:
                 pipe = build()
-                rows.append((label, pipe.model_share, simulate(pipe, costs.scaled(pipe.model_share), p2p, halves)))
+                rows.append((label, pipe.model_share, simulate(pipe, costs.scaled(pipe.model_share), p2p, sub_batches)))
             except ValueError as err:
                 rows.append((label, 1.0, str(err).splitlines()[0]))
     return rows
@@ -217,8 +217,8 @@ def run_draw(args: argparse.Namespace) -> int:
         print(f"wrote {args.trace}")
     if args.output:
         pipe = result.pipeline
-        halves = ", two-batch overlap" if result.two_batch else ""
-        title = args.title or (f"{pipe.name}, pp={pipe.pp_size}, {pipe.n_microbatches} microbatches, costs {result.costs}{halves}\n"
+        two_batch = ", two-batch overlap" if result.two_batch else ""
+        title = args.title or (f"{pipe.name}, pp={pipe.pp_size}, {pipe.n_microbatches} microbatches, costs {result.costs}{two_batch}\n"
                                f"makespan {result.makespan:g}, bubble {result.bubble_ratio:.1%}")
         direction_of, label = _direction(pipe)
         draw_timeline(result.timeline, args.output, title, direction_of, label)

@@ -5,7 +5,7 @@ weight-gradient part of ``B`` (so a split backward runs ``I = B - W`` then ``W``
 ``FB`` an overlapped forward+backward pair (``OVERLAP_F_B``); ``FB`` defaults to ``F + B``,
 i.e. no gain from overlapping. ``I`` may be given too, for a split backward that costs more
 than the full one (activation checkpointing recomputes its region in the I and again in the
-W); a backward run whole at I (``runtime/split_backward.py``) is ``I=B,W=0``. Units are arbitrary (the simulator only adds them up), so
+W); a backward run whole at I (``weights/plan.py``) is ``I=B,W=0``. Units are arbitrary (the simulator only adds them up), so
 measured seconds can be fed in as they are.
 """
 
@@ -40,7 +40,7 @@ class Costs:
             raise ValueError(f"costs F={self.F} and B={self.B} must both be > 0.")
         for key in ("F2", "B2"):
             if getattr(self, key) == 0:
-                raise ValueError(f"cost {key}=0: an action on two halves takes time, give {key} > 0 "
+                raise ValueError(f"cost {key}=0: an action on two sub-batches takes time, give {key} > 0 "
                                  f"(or leave it out for {key[0]}).")
         if self.W > self.B and self.split_input is None:
             raise ValueError(
@@ -59,13 +59,13 @@ class Costs:
         return self.F + self.B if self.FB is None else self.FB
 
     @property
-    def forward_in_halves(self) -> float:
-        """Time of a forward on the two halves of its microbatch."""
+    def forward_in_sub_batches(self) -> float:
+        """Time of a forward on the two sub-batches of its microbatch."""
         return self.F if self.F2 is None else self.F2
 
     @property
-    def backward_in_halves(self) -> float:
-        """Time of a full backward on the two halves of its microbatch."""
+    def backward_in_sub_batches(self) -> float:
+        """Time of a full backward on the two sub-batches of its microbatch."""
         return self.B if self.B2 is None else self.B2
 
     def _given(self) -> dict[str, float]:
@@ -84,8 +84,8 @@ class Costs:
 
     def as_dict(self) -> dict[str, float]:
         """F, B, W, I, FB, and F2 / B2 where given."""
-        halves = {key: value for key, value in (("F2", self.F2), ("B2", self.B2)) if value is not None}
-        return {"F": self.F, "B": self.B, "W": self.W, "I": self.I, "FB": self.overlapped, **halves}
+        sub_batches = {key: value for key, value in (("F2", self.F2), ("B2", self.B2)) if value is not None}
+        return {"F": self.F, "B": self.B, "W": self.W, "I": self.I, "FB": self.overlapped, **sub_batches}
 
     def __str__(self) -> str:
         return ",".join(f"{key}={_fmt(value)}" for key, value in self.as_dict().items())

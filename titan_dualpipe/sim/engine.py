@@ -1,25 +1,15 @@
 """Event-driven simulation of a :class:`~titan_dualpipe.sim.schedules.Pipeline`.
 
-Each rank runs its actions one at a time, in list order, from time 0. An action starts
-when its rank is free and its inputs are there:
-
-- ``F`` of stage ``s`` needs ``F`` of the previous stage of ``s``'s chain, same microbatch;
-- ``B`` / ``I`` of ``s`` needs ``F`` of ``s`` and the output gradient, i.e. ``B`` or ``I``
-  of the next stage of the chain (none for a chain's last stage: it computes the loss);
-- ``W`` needs its ``I``;
-- an ``OVERLAP_F_B`` pair needs the inputs of both halves, runs for ``FB`` and hands both
-  outputs over when it ends.
-
-An input made on another rank arrives ``p2p`` later. An order in which some rank waits for
-an input that never comes raises ValueError naming the stuck actions.
-
-Peak activations count live stage-microbatch activations per rank: +1 at each ``F``,
--1 at ``B``, or at ``W`` for a backward split into ``I`` + ``W``; a pair adds its
-forward before its backward releases.
-
-With ``two_batch=True`` (our schedules only) lone forwards and their lone backwards run on
-two halves of the microbatch, costing ``F2`` and ``B2`` (:mod:`.two_batch` says which actions
-and how the runtime places their backward); such an action's timeline entry has ``halves``.
+Each rank runs its actions one at a time, in list order, from time 0. An action starts when its
+rank is free and its inputs are there: ``F`` after the previous stage's ``F``; ``B`` / ``I`` after
+its ``F`` and the next stage's ``B`` / ``I`` (a chain's last stage computes the loss); ``W`` after
+its ``I``; an ``OVERLAP_F_B`` pair after both halves' inputs, handing both outputs over when it
+ends. An input made on another rank arrives ``p2p`` later; an order in which some rank waits for
+an input that never comes raises ValueError naming the stuck actions. Peak activations count live
+stage-microbatch activations per rank (+1 at ``F``; -1 at ``B``, or at ``W`` after an ``I``; a pair
+adds its forward before its backward releases). With ``two_batch=True`` (our schedules only) lone
+forwards and their lone backwards cost ``F2`` and ``B2`` (:mod:`.two_batch` says which). Costs and
+output: docs/simulate.md#simulate.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from .costs import Costs
 from .memory import peak_activation_bytes
 from .schedules import TORCH_SCHEDULES, Pipeline
 from .timeline import TimedAction
-from .two_batch import freed_at_input, halves_cost, split_actions
+from .sub_batch_costs import freed_at_input, sub_batch_cost, sub_batch_actions
 
 
 @dataclass(frozen=True)
@@ -98,7 +88,7 @@ class SimResult:
 
 
 def action_cost(action: _Action, costs: Costs) -> float:
-    """Time of ``action`` run whole (not on two halves)."""
+    """Time of ``action`` run whole (not as two sub-batches)."""
     kind = action.computation_type
     if kind == OVERLAP_F_B:
         return costs.overlapped
@@ -146,7 +136,7 @@ class _Run:
 
     def _cost(self, action: _Action, costs: Costs) -> float:
         if action in self.split:
-            return halves_cost(action, costs.forward_in_halves, costs.backward_in_halves, self.pipe)
+            return sub_batch_cost(action, costs.forward_in_sub_batches, costs.backward_in_sub_batches, self.pipe)
         return action_cost(action, costs)
 
     def _number(self, actions: tuple[_Action, ...]) -> tuple[int, ...]:
@@ -205,7 +195,7 @@ class _Run:
 
 def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0, two_batch: bool = False) -> SimResult:
     """Time ``pipe``'s order with ``costs`` per action and ``p2p`` per cross-rank hand-off;
-    ``two_batch``: lone forwards and their lone backwards on two halves (``F2``, ``B2``)."""
+    ``two_batch``: lone forwards and their lone backwards as two sub-batches (``F2``, ``B2``)."""
     costs = costs or Costs()
     if p2p < 0:
         raise ValueError(f"p2p latency must be >= 0, got {p2p}.")
@@ -223,12 +213,12 @@ def simulate(pipe: Pipeline, costs: Costs | None = None, p2p: float = 0.0, two_b
 
 
 def two_batch_actions(pipe: Pipeline) -> frozenset[_Action]:
-    """The actions of ``pipe`` that two-batch overlap runs on two halves; ValueError for torch's
+    """The actions of ``pipe`` that two-batch overlap runs as two sub-batches; ValueError for torch's
     schedules, whose runtime has no two-batch overlap."""
     if pipe.name in TORCH_SCHEDULES:
         raise ValueError(f"two-batch overlap is a feature of our schedules (DualPipe, DualPipeV), not of torch's "
                          f"{pipe.name}: simulate DualPipe or DualPipeV, or drop two_batch (--two-batch).")
-    return split_actions(pipe.order)
+    return sub_batch_actions(pipe.order)
 
 
 def _check_stages(pipe: Pipeline) -> None:

@@ -1,18 +1,11 @@
 """Activation memory: measured on a real run, and predicted from a schedule's order.
 
 :class:`ActivationMeter` counts the bytes autograd keeps for backward (saved tensors, each
-storage once, parameters excluded) while it is active, and their peak. On the CPU, where no
-allocator statistics exist, this is the activation memory a schedule decides; on a GPU it is
-the part of ``torch.cuda.max_memory_allocated`` that the schedule moves.
-
-:func:`peak_activation_bytes` is the simulator's rule (a forward allocates its stage's
-activation, the backward that ends it frees it: B, or W after an I, or I where the backward
-runs whole there; a pair's forward allocates before its backward frees), weighted by each
-stage's measured bytes per microbatch. With deferred weight GEMMs an I frees the activation
-and holds its GEMMs' operands until the W; the meter counts those too (:meth:`ActivationMeter.hold`).
-
-:func:`activation_counts` sets the rule's count (1 per stage-microbatch) next to torch's own
-liveness analysis of the same order (2.15+, :func:`~titan_dualpipe._compat.pipelining.torch_activation_slots`).
+storage once, parameters excluded) and what deferred weight GEMMs hold from I to W
+(:meth:`ActivationMeter.hold`). :func:`peak_activation_bytes` predicts the peak from an order by
+the simulator's live-activation rule, weighted by each stage's measured bytes per microbatch;
+:func:`activation_counts` sets the rule's count next to torch's own liveness analysis of the same
+order. Both feed ``titan-dualpipe profile``: docs/simulate.md#profile.
 """
 
 from __future__ import annotations

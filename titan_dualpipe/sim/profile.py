@@ -1,39 +1,14 @@
 """``titan-dualpipe profile``: measure a real run, draw it, and feed its costs to the simulator.
 
-Runs our schedule on ``pp`` local CPU processes with a TinyLM stage module and
-``record_timeline=True``, then from the last step's per-action times:
-- draws the measured timeline (``-o``) and writes it as a Perfetto trace (``--trace``);
-- takes the median time of each action kind (F, B, I, W, an overlapped pair) as costs and
-  simulates the same order with them, so predicted and measured step time can be compared;
-- measures each rank's peak activation memory (bytes autograd saved for backward,
-  :class:`~titan_dualpipe.sim.memory.ActivationMeter`) over the last step and sets it next to
-  the simulator's prediction: its live-activation count over the order, each stage-microbatch
-  weighing what one forward of that stage saves; and cross-checks the count against torch's own
-  liveness analysis of the same order (torch 2.15+, ``analyze_pipeline_activation_liveness``,
-  :func:`~titan_dualpipe.sim.memory.order_activation_counts`).
-
-``--compile`` compiles every TinyLM block in place first (``block.compile(backend=...)``, as
-torchtitan does). Our runtime runs a compiled stage's backward whole at its I and makes its W a
-no-op (``runtime/split_backward.py``), so the measured I is a full backward and W takes nothing:
-the costs count those I as full backwards and set ``W = 0`` (``I = B``), and the output sets the
-simulated bubble next to the one the same costs would give with the eager split's weight share (deferred weight GEMMs)
-of the backward (sampled on an uncompiled copy of a stage). One more step, under torch's
-profiler, counts the compiled backward calls each action kind ran (W: none).
-
-``--ac none|full|selective`` checkpoints every TinyLM block (torch's non-reentrant checkpoint;
-``selective`` keeps attention and every second matmul, as torchtitan's op policy). The runtime's
-default defers each I's weight GEMMs to its W (:mod:`titan_dualpipe.runtime.deferred_weights`),
-so a checkpointed block is recomputed once, at I; the output sets the simulated bubble next to
-the one the same costs give with each backward whole at I (``W = 0``). The activation memory
-rows count what a deferred GEMM holds from its I to its W (its two operands) on both sides.
-
-``--two-batch`` builds the schedule with ``two_batch_overlap="all"`` (TinyLM posts no
-exchanges, so ``True`` would split none of its stages): every lone forward runs its microbatch
-(``ROWS_PER_MICROBATCH`` rows) as two halves, and so does its backward where that is lone too
-(:mod:`titan_dualpipe.sim.two_batch` names the actions, from the order, and the timeline marks
-them). Their median times become ``F2`` and ``B2`` (the action that ran the whole backward:
-a B, an I, a chain-first stage's W; the other of I and W is left out), and the simulation runs
-with ``two_batch=True``; the activation memory rows then show whether splitting raised the peak.
+Runs our schedule on ``pp`` local CPU processes (TinyLM stages; our MoE module with ``--moe``)
+with ``record_timeline=True``. From the last step's per-action times it draws the measured
+timeline, simulates the same order with each action kind's median time as its cost (predicted
+against measured step time), and sets each rank's measured peak activation memory
+(:class:`~titan_dualpipe.sim.memory.ActivationMeter`) next to the simulator's prediction and
+torch's own liveness analysis. ``--ac``, ``--compile`` and ``--two-batch`` change the stages and
+what the costs mean; ``--moe`` also sets each rank's exposed exchange time next to its floor.
+What each option does and prints: docs/simulate.md#profile; the output's JSON keys:
+benchmarks/README.md#profile.
 """
 
 from __future__ import annotations
@@ -52,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..cli import HelpFormatter
+from ..exposure.floor import floor
+from ..exposure.record import ExposureRecorder, StepTrace, pair_exposure, start_recording, step_exposure, stop_recording
 from ..orders import Placement, canonical_name, placement
 from .costs import Costs
 from .._compat.pipelining import F
@@ -60,7 +37,7 @@ from .engine import peak_activations, simulate
 from .memory import ActivationMeter, order_activation_counts, peak_activation_bytes
 from .schedules import pipeline_for
 from .timeline import TimedAction, action_kind, draw_timeline, write_trace
-from .two_batch import freed_at_input, runs_backward, split_actions
+from .sub_batch_costs import freed_at_input, runs_backward, sub_batch_actions
 from ..testing.model import AC_MODES
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")
@@ -80,12 +57,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--no-overlap", action="store_true", help="run pairs sequentially")
     p.add_argument("--two-batch", action="store_true",
-                   help="two_batch_overlap='all': lone forwards and their lone backwards on two halves of the "
+                   help="two_batch_overlap='all': lone forwards and their lone backwards on two sub-batches of the "
                         "microbatch; their medians are the costs F2 and B2, simulated with two-batch overlap")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block in place first (backward whole at I, W a no-op: W=0)")
     p.add_argument("--compile-backend", help=f"with --compile: {' or '.join(COMPILE_BACKENDS)} (default inductor)")
     p.add_argument("--ac", default="none", help=f"activation checkpointing of every block: {', '.join(AC_MODES)}")
+    p.add_argument("--moe", action="store_true",
+                   help="our MoE module instead of TinyLM, its exchanges emulated: exposure against its floor")
+    p.add_argument("--comm-ratio", type=float, default=1.0,
+                   help="with --moe: a block's four exchanges cost this times its forward+backward")
     p.add_argument("-o", "--output", help="picture of the measured timeline (png/svg/pdf; needs matplotlib)")
     p.add_argument("--trace", help="Chrome/Perfetto trace of the measured timeline")
     p.add_argument("--json", action="store_true", help="print costs and times as JSON")
@@ -94,7 +75,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _deferring_copy(module: torch.nn.Module):
     """A copy of a stage module with its weight GEMMs deferred into a queue of its own: (copy, queue)."""
-    from ..runtime.deferred_weights import WeightGradQueue, install
+    from ..weights.install import install
+    from ..weights.queue import WeightGradQueue
 
     module, queue = copy.deepcopy(module), WeightGradQueue()
     install(module, queue)
@@ -141,16 +123,21 @@ def _measure(cfg: dict) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from .. import ScheduleDualPipe, ScheduleDualPipeV
-    from ..testing.model import TinyLM, checkpoint_block, compile_blocks, lm_loss, split_model
+    from ..cut import cut_layers
+    from ..testing.model import TinyLM, checkpoint_block, compile_blocks, lm_loss
 
     rank = dist.get_rank()
     place = placement(cfg["schedule"], cfg["pp"], cfg["microbatches"])
     torch.manual_seed(0)
-    model = TinyLM(vocab=512, dim=cfg["dim"], layers=cfg["layers"], heads=4)
-    parts = split_model(model, place.num_stages if not place.bidirectional else place.pp_size)
-    for part in parts:
-        for block in part.layers.values():
-            checkpoint_block(block, cfg["ac"])
+    n_parts = place.num_stages if not place.bidirectional else place.pp_size
+    comm = None
+    if cfg.get("moe"):
+        parts, comm = _moe_parts(cfg, n_parts)
+    else:
+        parts = cut_layers(TinyLM(vocab=512, dim=cfg["dim"], layers=cfg["layers"], heads=4), n_parts)
+        for part in parts:
+            for block in part.layers.values():
+                checkpoint_block(block, cfg["ac"])
     eager_parts = copy.deepcopy(parts) if cfg["compile"] else parts
     if cfg["compile"]:
         for part in parts:
@@ -164,24 +151,34 @@ def _measure(cfg: dict) -> dict:
     x = torch.randint(0, 512, (rows * place.n_microbatches, cfg["seq"]))
     feeds = place.feeds_batch(rank)
     meter = ActivationMeter(p for s in stages for p in s.submod.parameters())
-    half_calls = [0]
-    hooks = _count_half_batches(stages, rows, half_calls) if cfg["two_batch"] else []
+    sub_batch_calls = [0]
+    hooks = _count_sub_batches(stages, rows, sub_batch_calls) if cfg["two_batch"] else []
+    record: ExposureRecorder | None = None
+    if comm is not None:
+        comm.network = _emulated_network(parts[place.model_part(stages[0].stage_index)], cfg)
+        record = start_recording()
     for step in range(cfg["steps"]):
-        half_calls[0] = 0  # the last step's count stays
+        sub_batch_calls[0] = 0  # the last step's count stays
         dist.barrier()
         start = time.perf_counter()
         measured = step == cfg["steps"] - 1
-        schedule.weight_queue.on_hold = meter.hold if measured else None  # deferred GEMMs' operands: live until W
+        if record is not None:
+            record.take()  # the measured step's pairs and exchanges only
+        schedule.weight_policy.queue.on_hold = meter.hold if measured else None  # deferred GEMMs' operands: live until W
         with meter if measured else contextlib.nullcontext():
             schedule.step(x, target=x) if feeds else schedule.step()
         step_time = time.perf_counter() - start
-    schedule.weight_queue.on_hold = None
+    exposure: list = [None] * place.pp_size
+    if record is not None:
+        stop_recording()
+        dist.all_gather_object(exposure, _rank_exposure(record.take(), schedule.timeline, start, comm))
+    schedule.weight_policy.queue.on_hold = None
     for hook in hooks:
         hook.remove()
     times = [0.0] * place.pp_size
     dist.all_gather_object(times, step_time)
-    halves: list = [0] * place.pp_size
-    dist.all_gather_object(halves, half_calls[0] // 2)
+    in_sub_batches: list = [0] * place.pp_size
+    dist.all_gather_object(in_sub_batches, sub_batch_calls[0] // 2)
     timeline = schedule.collect_timeline()
     probe = next(s for s in stages if not place.is_first(s.stage_index))
     split: list = [None] * place.pp_size
@@ -191,24 +188,86 @@ def _measure(cfg: dict) -> dict:
     dist.all_gather_object(memory, (meter.peak, {s.stage_index: _stage_activation_bytes(s, place, rows, cfg)
                                                  for s in stages},
                                     {s.stage_index: _stage_held_bytes(s, place, rows, cfg) for s in stages
-                                     if s.stage_index in schedule.deferred_weight_stages and not place.is_first(s.stage_index)}))
+                                     if s.stage_index in schedule.weight_policy.deferred_stages and not place.is_first(s.stage_index)}))
     calls: list = [None] * place.pp_size
     if cfg["compile"]:  # one more step, under the profiler: compiled backward calls per action kind
         step = (lambda: schedule.step(x, target=x)) if feeds else schedule.step
         dist.all_gather_object(calls, compiled_backward_calls_per_kind(schedule, place, rank, step))
     return {"timeline": timeline, "step_time": max(times), "split_backward": split, "memory": memory,
-            "order": schedule.pipeline_order, "compiled_backward_calls": calls, "forwards_on_halves": sum(halves)}
+            "order": schedule.pipeline_order, "compiled_backward_calls": calls, "forwards_in_sub_batches": sum(in_sub_batches),
+            "exposure": exposure if record is not None else None}
 
 
-def _count_half_batches(stages, rows: int, calls: list[int]) -> list:
+def _moe_parts(cfg: dict, n_parts: int) -> tuple[list[torch.nn.Module], object]:
+    """Our MoE module's pipeline parts on one expert-parallel rank, and the communicator they
+    share (no network yet: :func:`_emulated_network` sets it)."""
+    from ..overlap.comm import ExpertParallelComm
+    from ..cut import cut_layers
+    from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel
+
+    args = MoEArgs(vocab_size=512, dim=cfg["dim"], n_layers=cfg["layers"], n_heads=4, num_experts=4, top_k=2,
+                   moe_inter_dim=2 * cfg["dim"])
+    checkpointing = {"none": False, "full": True, "selective": "selective"}[cfg["ac"]]
+    parts = cut_layers(MoETransformer(args, activation_checkpoint=checkpointing), n_parts)
+    comm = ExpertParallelComm(None)  # one rank: the data stays, an emulated network's time passes
+    for part in parts:
+        expert_parallel(part, comm)
+    return parts, comm
+
+
+def _emulated_network(part: torch.nn.Module, cfg: dict):
+    """Each exchange's cost: ``comm_ratio`` times a quarter of a block's forward and backward
+    (median of a few on this rank, median over the ranks, all timing at once)."""
+    from ..overlap.comm import EmulatedNetwork
+
+    block = next(iter(part.layers.values()))
+    h = torch.randn(ROWS_PER_MICROBATCH, cfg["seq"], cfg["dim"], requires_grad=True)
+    samples = []
+    for _ in range(7):
+        start = time.perf_counter()
+        block(h).sum().backward()
+        samples.append(time.perf_counter() - start)
+    part.zero_grad(set_to_none=True)
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, statistics.median(samples[2:]))
+    return EmulatedNetwork(latency_s=cfg["comm_ratio"] * statistics.median(ranks) / 4)
+
+
+def _rank_exposure(step: StepTrace, actions: list[TimedAction], step_start: float, comm) -> dict:
+    """This rank's exposure in the measured step (:func:`~titan_dualpipe.exposure.record.step_exposure`,
+    each pair's) and what the picture draws of it: the measured waits and the floor's idle times,
+    as ``(start, end, kind)`` on the timeline's clock. The clock's zero is found from the pairs,
+    which start with their OVERLAP_F_B actions (else the step's start)."""
+    pair_starts = sorted(a.start for a in actions if action_kind(a.action) == "F&B")
+    offset = step_start
+    if step.pairs and pair_starts:  # the recorder's clock minus the timeline's, from the closest pair action
+        offset = statistics.median(p.start - min(pair_starts, key=lambda s: abs(p.start - offset - s))
+                                   for p in step.pairs)
+    marks = []
+    for pair in step.pairs:
+        marks += [(a - offset, b - offset, "exposed") for half in pair.waits for a, b in half]
+        halves = [h for h in pair.halves if h]
+        placed = floor(halves).placed if halves else ()
+        marks += [(pair.start - offset + p.start - p.idle, pair.start - offset + p.start, "floor")
+                  for p in placed if p.idle > 0]
+    marks += [(a - offset, b - offset, "exposed") for a, b in step.lone_waits]
+    if len(step.lone_waits) == len(step.lone):  # each lone exchange ends at its wait: its floor, from the wait's start
+        alone = [(a, s.exchange.seconds - min(s.exchange.lead, s.compute)) for (a, _), s in zip(step.lone_waits, step.lone)]
+        marks += [(a - offset, a - offset + exposed, "floor") for a, exposed in alone if exposed > 0]
+    return {"exposure": step_exposure(step), "pairs": [vars(pair_exposure(p)) for p in step.pairs],
+            "marks": marks, "exchange_s": comm.network.seconds(0)}
+
+
+def _count_sub_batches(stages, rows: int, calls: list[int]) -> list:
     """Hooks adding to ``calls[0]`` each forward call of a stage's first block on fewer than
-    ``rows`` rows: a forward the runtime ran on two halves makes two."""
-    def count(module: torch.nn.Module, args: tuple) -> None:
-        if args and args[0].shape[0] < rows:
+    ``rows`` rows: a forward the runtime ran as two sub-batches makes two."""
+    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        # the MoE module calls a block once per segment: its first (attention) takes the rows
+        if args and args[0].shape[0] < rows and kwargs.get("segment") in (None, "attention"):
             calls[0] += 1
 
     firsts = {id(block): block for block in (next(iter(s.submod.layers.values())) for s in stages)}
-    return [block.register_forward_pre_hook(count) for block in firsts.values()]
+    return [block.register_forward_pre_hook(count, with_kwargs=True) for block in firsts.values()]
 
 
 def compiled_backward_calls_per_kind(schedule, place: Placement, rank: int, step) -> dict[str, int]:
@@ -290,9 +349,9 @@ def costs_from(timeline: list[TimedAction], place: Chains,
                split_samples: list[tuple[float, float]] | None = None, whole_stages: Collection[int] = ()) -> Costs:
     """Median duration of each action kind; a missing kind is derived from the others.
 
-    Actions marked ``halves`` (two-batch overlap) give ``F2`` (forwards) and ``B2`` (the B, I
+    Actions marked ``sub_batches`` (two-batch overlap) give ``F2`` (forwards) and ``B2`` (the B, I
     or chain-first W that ran the whole backward; the other of I and W is left out); where no
-    action of a kind ran whole, the halves' cost stands in for it (F = F2, B = B2).
+    action of a kind ran whole, the sub-batches' cost stands in for it (F = F2, B = B2).
 
     On a chain's first stage torch's split backward has no input gradient to compute, so its I
     takes nothing and its W runs the whole backward: those count as full backwards. On
@@ -311,7 +370,7 @@ def costs_from(timeline: list[TimedAction], place: Chains,
     median = {kind: statistics.median(d) for kind, d in by_kind.items()}
     f2, b2 = median.get("F2"), median.get("B2")
     parts = median.get("I", 0.0) + median.get("W", 0.0)
-    b = median.get("B", parts if parts or b2 is None else b2)  # whole B, else I + W, else the halves' B2
+    b = median.get("B", parts if parts or b2 is None else b2)  # whole B, else I + W, else the sub-batches' B2
     w = median.get("W")
     if w is None:
         shares = [weight / (inp + weight) for inp, weight in split_samples or [] if inp + weight > 0]
@@ -323,7 +382,7 @@ def _sample_kind(event: TimedAction, place: Chains, whole_stages: Collection[int
     """Which cost ``event``'s duration samples (see :func:`costs_from`), or None for none."""
     kind = action_kind(event.action)
     stage = event.action.stage_index
-    if event.halves:
+    if event.sub_batches:
         if kind == "F":
             return "F2"
         return "B2" if runs_backward(event.action, place) else None
@@ -342,18 +401,20 @@ def _config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--layers {args.layers}: {schedule} at --pp {args.pp} cuts the model into {parts} parts; "
                          f"give --layers {parts} or more")
     if args.two_batch and args.no_overlap:
-        raise ValueError("--two-batch runs halves as a relay, which needs overlap: drop --no-overlap (or --two-batch)")
+        raise ValueError("--two-batch runs sub-batches as a relay, which needs overlap: drop --no-overlap (or --two-batch)")
     if args.compile_backend is not None and not args.compile:
         raise ValueError(f"--compile-backend {args.compile_backend}: add --compile (or drop --compile-backend)")
     if args.ac not in AC_MODES:
         raise ValueError(f"--ac {args.ac!r}: give one of {', '.join(AC_MODES)}")
+    if not args.comm_ratio >= 0:
+        raise ValueError(f"--comm-ratio must be >= 0, got {args.comm_ratio}")
     backend = args.compile_backend or COMPILE_BACKENDS[0]
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"--compile-backend {backend!r}: give one of {', '.join(COMPILE_BACKENDS)}")
     return {"schedule": schedule, "pp": args.pp, "microbatches": args.microbatches, "steps": max(1, args.steps),
             "dim": args.dim, "layers": args.layers, "seq": args.seq, "overlap": not args.no_overlap,
             "two_batch": args.two_batch, "ac": args.ac,
-            "compile": backend if args.compile else None}
+            "compile": backend if args.compile else None, "moe": args.moe, "comm_ratio": args.comm_ratio}
 
 
 def compiled_summary(measured: dict, place: Placement, pipe, costs: Costs) -> dict:
@@ -397,7 +458,7 @@ def _print_compiled(result: dict) -> None:
 def _print_result(result: dict, costs: Costs) -> None:
     memory = result["activation_memory"]
     print(f"measured costs (s), AC {result['ac']}: {costs}"
-          + (" (F2, B2: on two halves; two-batch overlap)" if result["two_batch"] else ""))
+          + (" (F2, B2: on two sub-batches; two-batch overlap)" if result["two_batch"] else ""))
     print(f"step time: measured {result['measured_step_s']:.4f} s, simulated with these costs "
           f"{result['simulated_step_s']:.4f} s (bubble {result['simulated_bubble_ratio']:.1%})")
     if "compiled" in result:
@@ -406,16 +467,34 @@ def _print_result(result: dict, costs: Costs) -> None:
         whole = result["whole_at_input"]
         print(f"  with each backward whole at I (W=0, the same costs): step {whole['simulated_step_s']:.4f} s, "
               f"bubble {whole['simulated_bubble_ratio']:.1%}")
-    if "forwards_on_halves" in result:
-        halves = result["forwards_on_halves"]
-        print(f"two-batch overlap: {halves['measured']} forwards ran on two halves "
-              f"(the order's lone forwards: {halves['lone_in_order']})")
+    if "forwards_in_sub_batches" in result:
+        counted = result["forwards_in_sub_batches"]
+        print(f"two-batch overlap: {counted['measured']} forwards ran as two sub-batches "
+              f"(the order's lone forwards: {counted['lone_in_order']})")
     print("activation memory, saved for backward (MiB); simulated: live stage-microbatches x their measured size")
     print(f"{'rank':>4}  {'measured peak':>13}  {'simulated':>9}  {'measured/simulated':>18}  {'live at peak':>12}")
     rows = zip(memory["measured_peak_bytes"], memory["simulated_peak_bytes"], memory["simulated_peak_stage_microbatches"])
     for rank, (m, p, count) in enumerate(rows):
         print(f"{rank:>4}  {m / 2**20:>13.2f}  {p / 2**20:>9.2f}  {m / p if p else float('nan'):>18.3f}  {count:>12}")
     print(_liveness_line(result["activation_liveness"]))
+    if "exposure" in result:
+        print(exposure_lines(result["exposure"], result["exchange_s"]))
+
+
+def exposure_lines(per_rank: list[dict[str, float]], exchange_s: float) -> str:
+    """Per rank: the measured step's exposed exchange time next to its floor and 1F1B's, ms."""
+    lines = [f"exposed exchange time in the measured step, ms ({exchange_s * 1e3:.2f} ms per exchange): measured "
+             "(late: of it, past the emulated arrival, a sleep woken late), floor (each pair's halves in the order "
+             "that exposes least; lone halves: every exchange but what their own compute covers), 1F1B (every "
+             "exchange exposed); in pairs: in order (the pair's segments in the order they ran)",
+             f"{'rank':>4}{'measured':>10}{'late':>7}{'floor':>7}{'1F1B':>7}{'pairs: meas':>13}{'late':>7}"
+             f"{'in order':>10}{'floor':>7}{'lone: meas':>12}{'late':>7}{'floor':>7}"]
+    for rank, e in enumerate(per_rank):
+        lines.append(f"{rank:>4}{e['measured'] * 1e3:>10.1f}{e['late'] * 1e3:>7.1f}{e['floor'] * 1e3:>7.1f}"
+                     f"{e['serial'] * 1e3:>7.1f}{e['pairs_measured'] * 1e3:>13.1f}{e['pairs_late'] * 1e3:>7.1f}"
+                     f"{e['pairs_in_order'] * 1e3:>10.1f}{e['pairs_floor'] * 1e3:>7.1f}"
+                     f"{e['lone_measured'] * 1e3:>12.1f}{e['lone_late'] * 1e3:>7.1f}{e['lone_floor'] * 1e3:>7.1f}")
+    return "\n".join(lines)
 
 
 def _liveness_line(liveness: dict) -> str:
@@ -437,16 +516,19 @@ def run(args: argparse.Namespace) -> int:
     place = placement(schedule, args.pp, args.microbatches)
     measured = run_on_processes(_measure, args.pp, cfg)
     measured["backend"], measured["two_batch"] = cfg["compile"], cfg["two_batch"]
-    split = split_actions(measured["order"]) if cfg["two_batch"] else frozenset()
-    timeline = [e._replace(halves=e.action in split) for e in measured["timeline"]]
+    split = sub_batch_actions(measured["order"]) if cfg["two_batch"] else frozenset()
+    timeline = [e._replace(sub_batches=e.action in split) for e in measured["timeline"]]
     whole = range(place.num_stages) if cfg["compile"] else ()  # every stage holds compiled blocks
     costs = costs_from(timeline, place, None if cfg["compile"] else measured["split_backward"], whole_stages=whole)
     pipe = pipeline_for(schedule, args.pp, args.microbatches)
     simulated = simulate(pipe, costs, two_batch=cfg["two_batch"])
+    exposure = measured["exposure"]
     if args.output:
         direction_of = place.chain_of if place.bidirectional else (lambda stage: int(stage >= place.pp_size))
-        draw_timeline(timeline, args.output, title=f"{schedule} pp={args.pp} n={args.microbatches}, measured",
-                      direction_of=direction_of, time_label="seconds")
+        marks = None if exposure is None else [(rank, *mark) for rank, e in enumerate(exposure) for mark in e["marks"]]
+        draw_timeline(timeline, args.output, title=f"{schedule} pp={args.pp} n={args.microbatches}, measured"
+                      + (" (under each rank: exchanges exposed, measured and at the floor)" if marks else ""),
+                      direction_of=direction_of, time_label="seconds", marks=marks)
     if args.trace:
         write_trace(timeline, args.trace, us_per_unit=1e6)
     result = {"costs_s": costs.as_dict(), "ac": cfg["ac"], "two_batch": cfg["two_batch"],
@@ -461,8 +543,12 @@ def run(args: argparse.Namespace) -> int:
         result["whole_at_input"] = {"simulated_step_s": whole_run.makespan,
                                     "simulated_bubble_ratio": whole_run.bubble_ratio}
     if cfg["two_batch"]:
-        result["forwards_on_halves"] = {"measured": measured["forwards_on_halves"],
+        result["forwards_in_sub_batches"] = {"measured": measured["forwards_in_sub_batches"],
                                         "lone_in_order": sum(a.computation_type == F for a in split)}
+    if exposure is not None:  # per rank: the measured step's exposure keys and each pair's, seconds
+        result["exchange_s"] = exposure[0]["exchange_s"]
+        result["exposure"] = [e["exposure"] for e in exposure]
+        result["exposure_pairs"] = [e["pairs"] for e in exposure]
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,11 +1,11 @@
 """Timelines: per-rank action records, drawn as a picture or written as a Chrome/Perfetto trace.
 
 A timeline is a list of :class:`~titan_dualpipe.runtime.timeline.TimedAction` ``(rank, action,
-start, end, halves)``; the simulator produces one, and a measured run records the same shape. :func:`draw_timeline` needs
+start, end, sub_batches)``; the simulator produces one, and a measured run records the same shape. :func:`draw_timeline` needs
 matplotlib (``pip install 'titan_dualpipe[plot]'``); :func:`write_trace` needs nothing.
 
-An action whose microbatch ran on two halves (two-batch overlap, ``halves``) is named with a
-``½`` suffix (``F3½``, ``B3½``) in traces (and has ``halves`` in its args) and is drawn as two
+An action whose microbatch ran as two sub-batches (two-batch overlap, ``sub_batches``) is named with a
+``½`` suffix (``F3½``, ``B3½``) in traces (and has ``sub_batches`` in its args) and is drawn as two
 stacked half-height cells.
 """
 
@@ -19,15 +19,21 @@ from ..orders.lowering import leaf_actions
 from ..runtime.timeline import TimedAction
 
 StageDirection = Callable[[int], int]
+# (rank, start, end, kind): a span drawn in a thin strip under the rank's row (``profile --moe``:
+# kind "exposed", the measured exchange waits; "floor", the idle times of the least-exposure order)
+Mark = tuple[int, float, float, str]
+_MARK_STYLE = {"exposed": ("#c0392b", 0.42, "exposed (measured)"),
+               "floor": ("#222222", 0.51, "exposed at the floor")}  # colour, offset below the row's middle
+_MARK_HEIGHT = 0.08
 
 
-HALVES = "½"  # label suffix of an action run on two halves of its microbatch
+SUB_BATCHES = "½"  # label suffix of an action run on two sub-batches of its microbatch
 
 
-def action_label(action: _Action, halves: bool = False) -> str:
-    """Short label: ``F3``, ``B5``, ``I2``, ``W2``; a pair is ``F3&B5``; ``F3½`` on two halves."""
+def action_label(action: _Action, sub_batches: bool = False) -> str:
+    """Short label: ``F3``, ``B5``, ``I2``, ``W2``; a pair is ``F3&B5``; ``F3½`` on two sub-batches."""
     label = "&".join(f"{leaf.computation_type.value}{_microbatch(leaf)}" for leaf in leaf_actions(action))
-    return label + HALVES if halves else label
+    return label + SUB_BATCHES if sub_batches else label
 
 
 def _microbatch(action: _Action) -> str:
@@ -55,7 +61,7 @@ def trace_events(events: Iterable[TimedAction], us_per_unit: float = 1000.0) -> 
         records.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
     for e in sorted(events, key=lambda e: (e.rank, e.start)):
         records.append({
-            "name": action_label(e.action, e.halves),
+            "name": action_label(e.action, e.sub_batches),
             "cat": action_kind(e.action),
             "ph": "X",
             "pid": e.rank,
@@ -63,7 +69,7 @@ def trace_events(events: Iterable[TimedAction], us_per_unit: float = 1000.0) -> 
             "ts": e.start * us_per_unit,
             "dur": (e.end - e.start) * us_per_unit,
             "args": {"action": str(e.action), "stages": [leaf.stage_index for leaf in leaf_actions(e.action)],
-                     "halves": e.halves},
+                     "sub_batches": e.sub_batches},
         })
     return {"traceEvents": records, "displayTimeUnit": "ms"}
 
@@ -84,8 +90,8 @@ _COLOURS = {
     W: ("#9b6fc3", "#d9c6ea"),
 }
 _ROW_HEIGHT = 0.8
-_HALF_GAP = 0.06  # white band between the two halves of a split action's cell
-_HALF_ROWS = (((_ROW_HEIGHT - _HALF_GAP) / 2, 0.0), ((_ROW_HEIGHT - _HALF_GAP) / 2, (_ROW_HEIGHT + _HALF_GAP) / 2))
+_SUB_BATCH_GAP = 0.06  # white band between the two sub-batches of a split action's cell
+_SUB_BATCH_ROWS = (((_ROW_HEIGHT - _SUB_BATCH_GAP) / 2, 0.0), ((_ROW_HEIGHT - _SUB_BATCH_GAP) / 2, (_ROW_HEIGHT + _SUB_BATCH_GAP) / 2))
 
 
 def _import_pyplot():
@@ -108,14 +114,16 @@ def draw_timeline(
     direction_of: StageDirection | None = None,
     direction_label: str = "direction 1",
     time_label: str = "time",
+    marks: Iterable[Mark] | None = None,
 ) -> None:
     """Draw one row per rank, time on x, one cell per action; write it to ``path`` (png, svg, pdf).
 
     Cells are coloured by kind (F, B, I, W) with the microbatch inside; an overlapped pair is
-    one outlined box split into its F and B halves; an action on two halves of its microbatch
-    (``halves``) two stacked half-height cells. ``direction_of(stage)`` (0 or 1) picks a
+    one outlined box split into its F and B halves; an action on two sub-batches of its microbatch
+    (``sub_batches``) two stacked half-height cells. ``direction_of(stage)`` (0 or 1) picks a
     lighter, hatched shade for 1 (e.g. DualPipe's second chain: ``Placement.chain_of``),
-    named ``direction_label`` in the legend. Gaps are bubbles.
+    named ``direction_label`` in the legend. Gaps are bubbles. ``marks`` (same clock as the
+    events) are drawn as thin bars under their rank's row, one strip per kind.
     """
     plt = _import_pyplot()
     events = list(events)
@@ -132,14 +140,35 @@ def draw_timeline(
     font = _cell_font_size(events, points_per_unit)
     for e in events:
         _draw_action(ax, e, ranks.index(e.rank), direction_of, font, points_per_unit)
+    marks = [(rank, a - origin, b - origin, kind) for rank, a, b, kind in marks or () if rank in ranks]
+    _draw_marks(ax, marks, ranks)
     _style_axes(ax, ranks, (start, end), title, time_label)
-    handles = _legend_handles(events, direction_of, direction_label)
-    legend_height = 0.45  # inches kept free under the axes for the legend
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
-               handler_map={_HalvesHandle: _HalvesHandler()})
+    if marks:  # room for the last rank's strips
+        ax.set_ylim(len(ranks) - 0.5 + 2 * _MARK_HEIGHT, -0.5)
+    handles = _legend_handles(events, direction_of, direction_label) + _mark_handles(marks)
+    rows = 2 if marks else 1  # the marks' entries are long: the legend on two rows
+    legend_height = 0.45 * rows  # inches kept free under the axes for the legend
+    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // rows), frameon=False,
+               handler_map={_SubBatchesHandle: _SubBatchesHandler()})
     fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def _draw_marks(ax, marks: list[Mark], ranks: list[int]) -> None:
+    from matplotlib.patches import Rectangle
+
+    for rank, a, b, kind in marks:
+        colour, offset, _ = _MARK_STYLE[kind]
+        ax.add_patch(Rectangle((a, ranks.index(rank) + offset), b - a, _MARK_HEIGHT, facecolor=colour,
+                               edgecolor="none"))
+
+
+def _mark_handles(marks: list[Mark]) -> list:
+    from matplotlib.patches import Patch
+
+    kinds = {kind for *_, kind in marks}
+    return [Patch(facecolor=colour, label=label) for kind, (colour, _, label) in _MARK_STYLE.items() if kind in kinds]
 
 
 def _style_axes(ax, ranks: list[int], span: tuple[float, float], title: str, time_label: str) -> None:
@@ -162,8 +191,8 @@ def _legend_handles(events: list[TimedAction], direction_of: StageDirection, dir
     handles = [Patch(facecolor=_COLOURS[k][0], edgecolor="black", label=k.value) for k in (F, B, I, W) if k in kinds]
     if any(e.action.computation_type == OVERLAP_F_B for e in events):
         handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2, label="F&B overlapped"))
-    if any(e.halves for e in events):
-        handles.append(_HalvesHandle(label=f"two halves ({HALVES})"))
+    if any(e.sub_batches for e in events):
+        handles.append(_SubBatchesHandle(label=f"two sub-batches ({SUB_BATCHES})"))
     if any(direction_of(leaf.stage_index) for leaf in leaves):
         handles.append(Patch(facecolor=_COLOURS[F][1], edgecolor="grey", hatch="//", label=direction_label))
     return handles
@@ -184,7 +213,7 @@ def _draw_action(ax, event: TimedAction, row: int, direction_of: StageDirection,
     for i, leaf in enumerate(leaves):
         direction = min(direction_of(leaf.stage_index), 1)
         x = event.start + i * width
-        for height, offset in _HALF_ROWS if event.halves else ((_ROW_HEIGHT, 0.0),):
+        for height, offset in _SUB_BATCH_ROWS if event.sub_batches else ((_ROW_HEIGHT, 0.0),):
             ax.add_patch(_cell(x, top + offset, width, leaf, direction, height))
         if width * points_per_unit >= 1.2 * font:  # no label on slivers
             ax.text(x + width / 2, row, _microbatch(leaf), ha="center", va="center", fontsize=font)
@@ -205,8 +234,8 @@ def _cell(x: float, top: float, width: float, leaf: _Action, direction: int, hei
                      linewidth=0.6, hatch="//" if direction else None)
 
 
-class _HalvesHandle:
-    """Legend entry for actions on two halves (drawn by :class:`_HalvesHandler`)."""
+class _SubBatchesHandle:
+    """Legend entry for actions on two sub-batches (drawn by :class:`_SubBatchesHandler`)."""
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -215,10 +244,10 @@ class _HalvesHandle:
         return self.label
 
 
-class _HalvesHandler:
-    """Draws a :class:`_HalvesHandle` as two stacked grey bars, like a split action's cell."""
+class _SubBatchesHandler:
+    """Draws a :class:`_SubBatchesHandle` as two stacked grey bars, like a split action's cell."""
 
-    def legend_artist(self, legend, handle: _HalvesHandle, fontsize: float, handlebox):
+    def legend_artist(self, legend, handle: _SubBatchesHandle, fontsize: float, handlebox):
         from matplotlib.patches import Rectangle
 
         x, y, w, h = -handlebox.xdescent, -handlebox.ydescent, handlebox.width, handlebox.height

@@ -1,4 +1,4 @@
-"""A small decoder-only transformer and its pipeline split, shared by tests and benchmarks.
+"""A small decoder-only transformer and its pipeline parts, shared by tests and benchmarks.
 
 Layer names follow torchtitan (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), and
 a model part keeps the full model's parameter names, so part gradients compare by name
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..split import split_layers
+from ..cut import cut_layers
 
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of a block (checkpoint_block)
 
@@ -62,11 +62,6 @@ class TinyLM(nn.Module):
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
-
-
-def split_model(model: TinyLM, n_parts: int) -> list[TinyLM]:
-    """``n_parts`` pipeline parts of ``model`` (see :func:`titan_dualpipe.split.split_layers`)."""
-    return split_layers(model, n_parts)
 
 
 def compile_blocks(blocks: Iterable[nn.Module], backend: str) -> None:

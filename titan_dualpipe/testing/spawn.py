@@ -1,5 +1,6 @@
 """Run a function on N local processes (gloo on CPU, or NCCL with one GPU each) and return
-what rank 0 puts out."""
+what rank 0 puts out; and the start-up every spawned rank shares (the test suite's process pool,
+tests/cases/dist_pool.py, joins its group through :func:`join_process_group` too)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,31 @@ import torch.multiprocessing as mp
 from .._compat.c10d import native_stacks_on_fatal_signal
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
-    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT...) prints every thread's stack:
-    native_stacks_on_fatal_signal()  # the C++ ones first, then faulthandler the Python ones
+def join_process_group(rank: int, world: int, port: int, backend: str = "gloo",
+                       timeout: timedelta = timedelta(minutes=5)) -> None:
+    """This spawned process as rank ``rank`` of ``world`` (rendezvous on 127.0.0.1:``port``), one
+    CPU thread, rank ``r`` on GPU ``r`` with ``backend="nccl"``. A crash (SIGSEGV, SIGABRT...)
+    prints every thread's C++ stack; enable ``faulthandler`` before, and it adds the Python ones."""
+    native_stacks_on_fatal_signal()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device_id = None
     if backend == "nccl":
         device_id = torch.device("cuda", rank)
         torch.cuda.set_device(device_id)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5), device_id=device_id)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+
+
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: Any) -> None:
+    faulthandler.enable(all_threads=True)
+    join_process_group(rank, world, port, backend)
     try:
         result = fn(*args)
         if rank == 0:
@@ -47,5 +57,5 @@ def run_on_processes(fn: Callable[..., Any], world: int, *args: Any, backend: st
     ``fn`` must be importable (a module-level function) for spawn.
     """
     out = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_entry, args=(world, _free_port(), backend, fn, args, out), nprocs=world, start_method="spawn")
+    mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out), nprocs=world, start_method="spawn")
     return out.get()

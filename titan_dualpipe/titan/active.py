@@ -1,7 +1,8 @@
 """This process's pipeline run (:data:`ACTIVE`), shared by the adapter's modules.
 
-Its own module so that :mod:`.pipeline` (which fills it as torchtitan builds the pipeline) and
-the modules that read it (:mod:`.expert_overlap`, :mod:`.grad_clip`, :mod:`.trainer_hooks`)
+Its own module so that the modules that fill it (:mod:`.trainer_hooks`: the plan and switches,
+before the process group exists; :mod:`.pipeline`: the stages, as torchtitan builds the pipeline)
+and those that read it (also :mod:`.expert_overlap`, :mod:`.grad_clip`, :mod:`.moe_twins`)
 import it one way.
 """
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_check import Plan
+from .fold import FoldWindow
 
 
 @dataclass
@@ -24,6 +26,7 @@ class ActiveRun:
     not_deferred: list[str] = field(default_factory=list)  # 0.3.0: dualpipe.not_deferred
     stages: list[Any] = field(default_factory=list)
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
+    fold_window: FoldWindow = field(default_factory=FoldWindow)  # torchtitan's mesh lookups answer folded while open
     expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
 
     @property

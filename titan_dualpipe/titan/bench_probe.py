@@ -1,29 +1,14 @@
 """What ``titan-dualpipe bench titan`` measures inside torchtitan's trainer processes.
 
-Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the runs it starts):
-
-- torchtitan's expert-parallel all-to-all goes through
-  :func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single` under every schedule (ours
-  route it there anyway), so each exchange can cost an emulated network time
-  (``EXCHANGE_S_ENV`` seconds, CPU only) and the time it leaves exposed is counted the same way
-  for every schedule;
-- ``Trainer.train_step`` is timed, with the exposed exchange time of each step, in all and by
-  the kind of our action it falls in (lone F, lone B, lone I, W, and in a relayed pair the half
-  that waits: pair F, pair B; torch's schedules: all outside our actions); the token-count
-  exchange's wait counts too, the copy of the counts to the host included
-  (:func:`~titan_dualpipe.overlap.comm.count_exchange`);
-- with ``CALIBRATE_ENV`` set, the forward and backward of each MoE transformer block are timed
-  (the compute an exchange is compared with: ``--comm-ratio``);
-- each step is split into phases (seconds on this rank; on a GPU measured with CUDA events on
-  the current stream, as are the step and the exposed exchange time, since the host only
-  launches the kernels: :mod:`titan_dualpipe.runtime.timeline`): ``schedule`` (the pipeline step),
-  within it for our schedules ``compute`` (F, B, I, W and overlapped pairs), ``p2p`` (posting
-  and waiting for pipeline sends and receives), ``fsdp_gather``, ``fsdp_reduce`` and
-  ``twin_sum`` (DualPipe's twin exchange); then ``clip``, ``optimizer`` and ``other`` (the
-  rest of the train step: data, loss bookkeeping);
-- at ``Trainer.close`` each rank writes ``bench_rank<R>.json``: step times, exposed seconds per
-  step, phases per step, block times, global tokens per step and its peak memory (CUDA:
-  allocated by torch; CPU: the process's peak resident set).
+Active only when ``BENCH_DIR_ENV`` names a folder (the bench sets it for the runs it starts). It
+routes torchtitan's expert all-to-all through
+:func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single` under every schedule, so each
+exchange can cost an emulated network's time (``EXCHANGE_S_ENV``, CPU only) and its exposed time
+is counted alike for all; times each ``Trainer.train_step``, its phases and its exposed exchange
+time by the kind of our action that waited; with ``CALIBRATE_ENV``, times each MoE block's
+forward and backward; on the CPU, records each step's pairs and exchanges for the floor; and at
+``Trainer.close`` writes each rank's ``bench_rank<R>.json``. What each figure means and the
+file's keys: benchmarks/README.md#bench-titan.
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+from ..exposure.record import ExposureRecorder, StepTrace, pair_exposure, start_recording, step_exposure
 from ..overlap.relay import running_half
 from ..runtime.timeline import CpuClock, StepClock, clock_for, span_seconds
 from ..switches import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
@@ -51,6 +37,14 @@ class _Record:
         self.phases: list[dict[str, float]] = []  # per step
         self.exposed_by_action: list[dict[str, float]] = []  # per step: exposed seconds by action kind
         self.tokens_per_step = 0
+        self.traces: list[StepTrace] = []  # per step (CPU): pairs and exchanges, for the floor
+
+
+def _floors(traces: list[StepTrace]) -> dict[str, Any]:
+    """Per step: the exposure keys of :func:`~titan_dualpipe.exposure.record.step_exposure` and
+    each pair's (the emulated network queues each communicator's exchanges in order: "fifo")."""
+    return {"exposure": [step_exposure(t, queue="fifo") for t in traces],
+            "pairs": [[vars(pair_exposure(p, queue="fifo")) for p in t.pairs] for t in traces]}
 
 
 def _moe_blocks(model_parts: list[Any]) -> list[Any]:
@@ -233,6 +227,8 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
     cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "0") == "1"
     record, clock = _Record(), _PhaseClock()
     _time_exposed(cost.stats, clock)
+    # the floor times segments with the host's clock: CPU runs only
+    recorder: ExposureRecorder | None = None if torch.cuda.is_available() else start_recording()
 
     for trainer_class in trainer_classes():
         original_step, original_close = trainer_class.train_step, trainer_class.close
@@ -244,13 +240,19 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
                 if calibrate:
                     _time_blocks(self.model_parts, record)
             clock.start_step(_device(self))
+            if recorder is not None:
+                recorder.take()  # nothing between steps is a step's
             result = clock.timed(STEP, _original)(self, *args, **kwargs)
+            if recorder is not None:
+                record.traces.append(recorder.take())
             _record_step(record, clock.totals())
             record.tokens_per_step = _tokens_per_step(self)
             return result
 
         def close(self: Any, _original: Any = original_close) -> None:
             out = {**vars(record), "peak_memory_bytes": _peak_memory_bytes(), "exchanges": cost.stats.posted}
+            out.pop("traces")
+            out.update(_floors(record.traces) if recorder is not None else {})
             Path(out_dir, f"bench_rank{dist.get_rank()}.json").write_text(json.dumps(out))
             _original(self)
 

@@ -114,7 +114,7 @@ def _torch_version() -> str:
 
 def _check_activation_checkpoint(plan: Plan, job_config: Any) -> None:
     """Every AC mode runs (weight GEMMs deferred to W; compiled stages run their backward whole
-    at I, see ``runtime/split_backward.py``). Memory-budget AC is torch.compile's partitioner
+    at I, see ``weights/plan.py``). Memory-budget AC is torch.compile's partitioner
     choosing what to recompute inside the compiled blocks, so it needs the model compiled: 0.3.0's
     config refuses it otherwise, 0.2.2 asserts while building the model; here it stops first, naming the fix."""
     ac = getattr(job_config, "activation_checkpoint", None)

@@ -1,36 +1,15 @@
 """CPU mode: let torchtitan train with gloo on a machine without an accelerator.
 
-torchtitan assumes an accelerator. What breaks without one, each fixed here:
-
-1. ``tools/utils.py`` picks ``device_type = _get_available_device_type() or "cuda"``, and
-   several modules copy ``device_type`` / ``device_module`` at import. We set ``"cpu"`` (gloo
-   backend, CPU device mesh, CPU tensors) in each of those modules.
-2. The memory monitor calls CUDA-only device-module functions (``get_device_name``,
-   ``get_device_properties``, ``memory_stats``, ...). :class:`CpuDeviceModule` supplies them
-   from the OS: the reported peak memory is the process's peak resident set size.
-3. ``set_pg_timeouts`` calls ``barrier(device_ids=[device_module.current_device()])``;
-   ``torch.cpu.current_device()`` returns the string ``"cpu"``, which is not a device id.
-   ``CpuDeviceModule.current_device()`` returns index 0.
-4. FSDP: torchtitan's ``disable_fsdp_gradient_division`` sets each FSDP module's gradient
-   divide factor to 1, which FSDP2 turns into a ``ReduceOp.PREMUL_SUM(1.0)`` reduce-scatter,
-   an op gloo lacks. The same call now also asks for SUM-only collectives
-   (``set_force_sum_reduction_for_comms``): a SUM and a division by 1, the same gradients.
-   Its reduce-scatters run as an all-reduce of the whole buffer that keeps the rank's slice
-   (:class:`AllReduceScatter`): gloo's reduce-scatter takes about twice as long as its
-   all-reduce of the same buffer, for every schedule alike.
-5. 0.2.2's MoE layers use an integer ``torch.histc`` and a Triton kernel; 0.3.0's experts
-   multiply in bfloat16: :mod:`.cpu_moe`.
-6. 0.3.0's decoders attend with flex attention, which has no backward on CPU:
-   :mod:`.cpu_attention`.
-7. Compute in float32 (:func:`prepare_config`). FSDP's default mixed precision gathers
-   parameters in bfloat16, so every matmul of an FSDP run would be a bfloat16 matmul. CPUs
-   without bfloat16 units run those about 50x slower than float32 (256x256: 25 ms against
-   0.5 ms), so a CPU figure would measure the host's bfloat16 support, not the schedules.
-
-Which modules hold those names differs by release (:mod:`.generation`).
-
-:func:`enable` does nothing when an accelerator is present (``torch._utils.
-_get_available_device_type()`` is not None), so GPU runs are unchanged.
+torchtitan assumes an accelerator. :func:`enable` (a no-op when one is present, so GPU runs are
+unchanged) fixes what breaks without one: the ``device_type`` / ``device_module`` its modules copy
+at import (``"cpu"``: gloo, CPU mesh, CPU tensors; which modules, per release: :mod:`.generation`),
+the CUDA-only device-module calls of its memory monitor and ``set_pg_timeouts``
+(:class:`CpuDeviceModule`), FSDP's ``PREMUL_SUM`` reduce-scatter, which gloo lacks
+(:func:`with_sum_only_reductions`), the MoE layers (:mod:`.cpu_moe`) and flex attention's missing
+CPU backward (:mod:`.cpu_attention`). :func:`prepare_config` makes it compute in float32: a CPU
+without bfloat16 units runs bfloat16 matmuls many times slower, so a CPU figure would measure the
+host's bfloat16 support, not the schedules (benchmarks/2026-11-25-cpu-xeon-2core.md#cpu-mode-in-float32).
+What a user sees: docs/torchtitan.md#cpu-mode.
 """
 
 from __future__ import annotations
@@ -53,13 +32,16 @@ from .generation import GEN
 
 
 class CpuDeviceModule:
-    """``torch.cpu`` plus the device-module functions torchtitan's memory monitor calls."""
+    """``torch.cpu`` plus the device-module functions torchtitan's memory monitor calls, from the
+    OS: the reported peak memory is the process's peak resident set size."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cpu, name)
 
     @staticmethod
     def current_device() -> int:
+        """A device index for ``set_pg_timeouts``' ``barrier(device_ids=[...])``, where
+        ``torch.cpu.current_device()`` returns the string ``"cpu"``."""
         return 0
 
     @staticmethod
@@ -87,9 +69,10 @@ class CpuDeviceModule:
 
 class AllReduceScatter:
     """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) as an all-reduce of the
-    whole buffer, of which this rank keeps its slice: the same sum in every slice. On gloo
-    (4 processes on 2 cores, 130 MiB) ``reduce_scatter_tensor`` took 400 ms, ``all_reduce``
-    203 ms. FSDP calls it synchronously with the SUM that CPU mode forces."""
+    whole buffer, of which this rank keeps its slice: the same sum in every slice. gloo's
+    reduce-scatter is slower than its all-reduce of the same buffer
+    (benchmarks/2026-11-24-cpu-xeon-2core.md#gloos-reduce-scatter). FSDP calls it synchronously
+    with the SUM that CPU mode forces."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -101,6 +84,10 @@ class AllReduceScatter:
 
 
 def with_sum_only_reductions(disable_division: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    """torchtitan's ``disable_fsdp_gradient_division`` (a divide factor of 1, which FSDP2 turns
+    into a ``PREMUL_SUM(1.0)`` reduce-scatter that gloo lacks) that also asks for SUM-only
+    collectives, reduce-scatters run as :class:`AllReduceScatter`: the same gradients."""
+
     def disable_fsdp_gradient_division(model: nn.Module) -> None:
         disable_division(model)
         for module in model.modules():

@@ -1,29 +1,15 @@
 """CPU mode for torchtitan's MoE layers (0.2.2: deepseek_v3, llama4, qwen3, gpt_oss; 0.3.0).
 
-Applied by :func:`titan_dualpipe.titan.cpu.enable`, so only when there is no accelerator.
-
-Float32 experts. Both releases can multiply the experts' weights in bfloat16, which CPUs
-without bfloat16 units run about 50x slower than float32:
-
-- 0.2.2 has a switch, ``moe_args.use_grouped_mm``: False runs each expert as a float32
-  matmul. torchtitan turns it off itself without SM90 for deepseek_v3, llama4 and gpt_oss;
-  CPU mode turns it off for every model (:func:`use_float32_experts_022`).
-- 0.3.0's ``GroupedExperts`` always casts its operands to bfloat16 and multiplies through its
-  ``_grouped_mm`` method, the seam torchtitan keeps for other number formats. CPU mode's
-  :func:`float32_grouped_mm` takes that seam: the operands keep torchtitan's bfloat16 rounding
-  (the values a GPU multiplies), products and sums are float32.
-
-0.2.2 only: two things stop the MoE forward on CPU, each fixed in the one torchtitan module
-that hits it:
-
-1. ``models/moe/moe.py`` counts tokens per expert with ``torch.histc`` on the int64 expert
-   indices; the CPU kernel has no integer version ("histogram_cpu" not implemented for
-   'Long'). That module's ``torch`` becomes :class:`TorchWithIntegerHistc`: ``torch``
-   except that integer ``histc`` is computed exactly (``bincount`` for the unit-width bins
-   torchtitan uses) with the dtype CUDA returns (the input's).
-2. ``models/moe/utils.py`` (expert-parallel token permutation and grouped-mm padding)
-   calls ``generate_permute_indices``, a Triton kernel unless ``use_cpu=True``; there it
-   gets ``use_cpu=True``, torchtitan's own CPU implementation.
+Applied by :func:`titan_dualpipe.titan.cpu.enable`, so only when there is no accelerator. The
+experts multiply in float32, since CPUs without bfloat16 units run bfloat16 matmuls many times
+slower (benchmarks/2026-11-25-cpu-xeon-2core.md#cpu-mode-in-float32): on 0.2.2 through its own
+switch, ``moe_args.use_grouped_mm = False`` (:func:`use_float32_experts_022`); on 0.3.0 through
+``GroupedExperts``' ``_grouped_mm`` seam (:func:`float32_grouped_mm`: the operands keep
+torchtitan's bfloat16 rounding, products and sums are float32). On 0.2.2 two calls also stop the
+MoE forward on CPU, each fixed in the one torchtitan module that makes it: ``torch.histc`` of the
+int64 expert indices in ``torchtitan.models.moe.moe`` (:class:`TorchWithIntegerHistc`), and the
+Triton kernel ``generate_permute_indices`` in ``torchtitan.models.moe.utils`` (given
+``use_cpu=True``, torchtitan's own CPU implementation).
 """
 
 from __future__ import annotations
@@ -57,7 +43,9 @@ def integer_histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: fl
 
 
 class TorchWithIntegerHistc:
-    """``torch`` for one module's global name ``torch``, with integer ``histc`` supported."""
+    """``torch`` for one module's global name ``torch``, with integer ``histc`` supported (the CPU
+    kernel has none: "histogram_cpu" not implemented for 'Long'), exact and in the dtype CUDA
+    returns (the input's)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)

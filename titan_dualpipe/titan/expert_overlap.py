@@ -1,40 +1,15 @@
 """torchtitan's expert-parallel all-to-all as hand-over points of our overlapped pairs.
 
-Under our schedules, torchtitan's token dispatch and combine become
-:func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single`: the same exchange with the
-same functional collective op (so activation-checkpointing policies treat it alike) and the
-same bits, which hands over to the partner half of a relayed pair between posting and
-waiting, forward and backward. torchtitan's MoE blocks then overlap their dispatch and
-combine with the other half's compute in every DualPipe / DualPipeV pair, the model
-unchanged (:mod:`titan_dualpipe.overlap.relay`).
-
-- 0.2.2: ``ExpertParallel`` (:mod:`torchtitan.distributed.expert_parallel`) calls
-  ``all_to_all_single_autograd``, a name that module looks up at call time.
-- 0.3.0: ``AllToAllTokenDispatcher`` (:mod:`torchtitan.models.common.token_dispatcher`) posts
-  both exchanges from two methods, ``_dispatch_token_exchange`` and
-  ``_combine_token_exchange``, given the expert-parallel process group. It finds that group
-  through torchtitan's per-thread SPMD mesh state, which the relay's backward-half thread
-  lacks (activation checkpointing re-runs the dispatch there): :class:`TrainerMeshes` gives a
-  thread without that state the trainer's meshes.
-
-Before the token exchange, each rank's per-expert token counts go to its peers in an
-all-to-all that the dispatch reads on the host at once. On the expert-parallel group's
-communicator that read would wait for the partner half's token exchange posted before it, so the
-count exchange runs on a communicator of its own (:mod:`titan_dualpipe.overlap.count_groups`):
-:func:`count_communicators` makes one per expert-parallel group of the stage modules before the
-first step. :func:`~titan_dualpipe.overlap.count_read.read_token_counts` posts and reads it (on
-CUDA from a side stream, the host waiting on that exchange's event alone), through
-:func:`~titan_dualpipe.overlap.comm.count_exchange`, where ``bench titan``'s emulated network
-charges it. 0.2.2: our ``ExpertParallel._token_dispatch`` reads the counts so, then exchanges and
-permutes the tokens as torchtitan's does; 0.3.0: ``_token_count_exchange`` reads them and
-``_sync_token_count_exchange`` hands that read on. Inside a compiled graph the dispatch stays
-torchtitan's, on the expert-parallel group.
-
-0.2.2's ``ExpertParallel`` keeps a dispatch's splits on the module until the combine; they are
-kept per thread (:class:`PerThread`), so the two halves of a two-batch split, which run one layer
-on two threads of a relay, each combine with their own. 0.3.0 passes them along explicitly.
-
-DeepEP / HybridEP dispatch has its own communication and is left as it is.
+Under our schedules torchtitan's token dispatch and combine (0.2.2: ``ExpertParallel``'s
+``all_to_all_single_autograd``; 0.3.0: ``AllToAllTokenDispatcher``'s ``_dispatch_token_exchange``
+and ``_combine_token_exchange``) become
+:func:`~titan_dualpipe.overlap.comm.relayed_all_to_all_single`: the same exchange, op and bits,
+which hands over to the partner half of a relayed pair between posting and waiting, so
+torchtitan's MoE blocks overlap with the other half's compute, the model unchanged. The
+per-expert token counts go on a communicator of their own (:func:`count_communicators`) and are
+read by :func:`~titan_dualpipe.overlap.count_read.read_token_counts`; what the relay's other
+thread lacks is shared with it (:class:`TrainerMeshes`, :class:`PerThread`). Why, per release:
+docs/overlap.md#in-torchtitan.
 """
 
 from __future__ import annotations
@@ -234,7 +209,7 @@ _DISPATCH_STATE = ("input_splits", "output_splits", "input_shape", "permuted_ind
 
 class PerThread:
     """An instance attribute kept per thread. 0.2.2's ``ExpertParallel`` leaves its dispatch's
-    splits and permutation on the module for the combine; two halves of one microbatch run the
+    splits and permutation on the module for the combine; two sub-batches of one microbatch run the
     same layer on two threads of a relay (two-batch overlap), the second half's dispatch in
     between the first half's dispatch and combine, so each thread keeps its own."""
 
@@ -268,8 +243,8 @@ def install() -> None:
     """Route torchtitan's expert-parallel all-to-all through the relay, and its token-count exchange
     to the count communicators (idempotent). Our schedules' two-batch overlap then counts
     torchtitan's MoE stages as stages with exchanges."""
-    from ..runtime.deferred_weights import register_expert_class
-    from ..runtime.two_batch import register_exchange_rule
+    from ..weights.install import register_expert_class
+    from ..runtime.sub_batch_runner import register_exchange_rule
 
     register_exchange_rule(has_expert_parallel_moe)
     register_expert_class(importlib.import_module(GEN.experts_module).GroupedExperts)  # weight GEMMs wait for W

@@ -1,29 +1,15 @@
 """DualPipe twins folded into torchtitan's FSDP.
 
-Under DualPipe pipeline ranks ``r`` and ``pp-1-r`` hold the same two model parts. When
-torchtitan shards the parts with FSDP, each part can be sharded over twins x replicas instead
-of replicas alone, as DeepSeek and Megatron fold twins into data parallelism: the two copies
-are then one sharded parameter, FSDP's reduce-scatter sums the twins' gradients together with
-the replicas' (no twin exchange after the step), and weights, gradients and optimizer state
-take half the memory. The schedule notices and moves FSDP's collectives to the step's edges
-(``ScheduleDualPipe.fsdp_at_step_edges``).
-
-torchtitan builds its meshes from a world mesh laid out pipeline-rank-major (``pp``,
-``dp_replicate``, ``fsdp``, ``tp``; experts: ``pp``, ``dp_replicate``, ``efsdp``, ``ep``, and
-on 0.2.2 ``etp``), where twin pipeline ranks are not neighbours. Here a second root mesh lists
-the world with each twin pair's ranks side by side (pipeline ranks in the order ``0, pp-1, 1,
-pp-2, ...``), and the same unflattening gives ``fsdp`` and ``efsdp`` dimensions twice as
-large that span both twins. While torchtitan parallelizes DualPipe's model parts, its mesh
-lookups for the dimensions FSDP and expert/tensor parallelism combine (``fsdp``, ``efsdp``,
-``dp_replicate``, ``ep``, ``etp``, ``tp``) answer from that root: the same groups as
-torchtitan's except ``fsdp``/``efsdp``, and one root, which FSDP needs to combine them.
-Every other lookup, and every lookup outside that window, is torchtitan's.
-
-Folding applies when torchtitan applies FSDP (``fsdp`` or ``ep`` degree above 1);
-``TITAN_DUALPIPE_FOLD_TWINS=0`` keeps the twin exchange instead. torchtitan 0.3.0 looks its FSDP
-meshes up this way under ``spmd_backend = "partial_dtensor"``; its default ``spmd_types`` backend
-requires each parameter's type-checking mesh to span the ranks of its FSDP mesh, which a twin
-pair's would not, so there the twins are summed by the exchange.
+Under DualPipe pipeline ranks ``r`` and ``pp-1-r`` hold the same two model parts. When torchtitan
+shards the parts with FSDP, each part is sharded over twins x replicas instead of replicas alone,
+as DeepSeek and Megatron fold twins into data parallelism: FSDP's reduce-scatter sums the twins'
+gradients with the replicas' (no twin exchange after the step), and weights, gradients and
+optimizer state take half the memory. torchtitan's world mesh is pipeline-rank-major, where twins
+are not neighbours, so a second root mesh lists each twin pair's ranks side by side
+(:func:`folded_rank_map`); while torchtitan parallelizes the parts (:class:`FoldWindow`), its lookups of
+the dimensions FSDP combines (:data:`FOLDED_DIMS`) answer from that root. The schedule then moves
+FSDP's collectives to the step's edges (``ScheduleDualPipe.fsdp_at_step_edges``). When folding
+applies: docs/torchtitan.md#dualpipe-twins-folded-into-fsdp.
 """
 
 from __future__ import annotations
@@ -34,8 +20,12 @@ from typing import Any, Callable
 
 from ..switches import FOLD_ENV  # "0": sum DualPipe's twins by an exchange even under FSDP
 
+# Answered from the folded root inside the window: the same groups as torchtitan's except fsdp and
+# efsdp (twice as large, spanning both twins), and one root, which FSDP needs to combine them.
 FOLDED_DIMS = frozenset({"fsdp", "efsdp", "dp_replicate", "ep", "etp", "tp"})
-FOLDING_BACKEND = "partial_dtensor"  # torchtitan 0.3.0's spmd_backend that looks FSDP meshes up as above
+# torchtitan 0.3.0's spmd_backend that looks its FSDP meshes up by name (its default, spmd_types,
+# needs each parameter's type-checking mesh to span its FSDP mesh's ranks: there twins exchange)
+FOLDING_BACKEND = "partial_dtensor"
 
 
 def fold_enabled() -> bool:
@@ -105,9 +95,6 @@ class FoldWindow:
         self.used = False  # an FSDP mesh lookup was answered from the folded root: parts sharded over twins
 
 
-WINDOW = FoldWindow()
-
-
 def exchange_backend(config: Any) -> str | None:
     """torchtitan 0.3.0's ``spmd_backend`` of ``config`` (its parallelism config or ParallelDims)
     when that backend builds FSDP meshes folding cannot reach, so twins are summed by the
@@ -129,18 +116,18 @@ def applies(dims: Any) -> bool:
             and dims.pp >= 2 and dims.pp % 2 == 0 and (dims.fsdp_enabled or dims.ep_enabled))
 
 
-def make_get_optional_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_get_optional_mesh(original: Callable[..., Any], window: FoldWindow) -> Callable[..., Any]:
     def get_optional_mesh(self: Any, dims: str | list[str], *args: Any, **kwargs: Any) -> Any:
         mesh = original(self, dims, *args, **kwargs)
         names = [dims] if isinstance(dims, str) else list(dims)
-        if mesh is None or not WINDOW.open or not set(names) <= FOLDED_DIMS or not applies(self):
+        if mesh is None or not window.open or not set(names) <= FOLDED_DIMS or not applies(self):
             return mesh
-        if WINDOW.meshes is None:
-            WINDOW.meshes = build_folded_meshes(self, mesh.device_type)
-        folded = WINDOW.meshes.lookup(names)
+        if window.meshes is None:
+            window.meshes = build_folded_meshes(self, mesh.device_type)
+        folded = window.meshes.lookup(names)
         if folded is None:
             return mesh
-        WINDOW.used = WINDOW.used or bool({"fsdp", "efsdp"} & set(names))
+        window.used = window.used or bool({"fsdp", "efsdp"} & set(names))
         return folded
 
     get_optional_mesh._titan_dualpipe = True  # type: ignore[attr-defined]
@@ -183,9 +170,10 @@ def init_parts_in_order(parts: dict[int, Any]) -> None:
     _InitInPartOrder(parts)
 
 
-def install() -> None:
-    """Route ``ParallelDims.get_optional_mesh`` (``get_mesh`` calls it) through the window (idempotent)."""
+def install(window: FoldWindow) -> None:
+    """Route ``ParallelDims.get_optional_mesh`` (``get_mesh`` calls it) through ``window``, the
+    process's pipeline run's (idempotent)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     if not getattr(ParallelDims.get_optional_mesh, "_titan_dualpipe", False):
-        ParallelDims.get_optional_mesh = make_get_optional_mesh(ParallelDims.get_optional_mesh)
+        ParallelDims.get_optional_mesh = make_get_optional_mesh(ParallelDims.get_optional_mesh, window)

@@ -1,20 +1,13 @@
 """Gradient-norm clipping that counts each DualPipe twin once.
 
 With DualPipe every model part is held twice (direction 0 on rank ``j``, direction 1 on rank
-``pp-1-j``) and, after ``step()``, both copies hold the same full-batch gradient.
-torchtitan's ``clip_grad_norm_`` sums the squared norm over all local parameters and
-reduces it over the PP group, so it would count every gradient twice (norm x sqrt(2)).
-
-Here the norm is taken over the direction-0 copies only (together, over the PP ranks, they
-are the model exactly once), with torchtitan's own function, which also clips them; the
-direction-1 copies are then scaled by the same ``total_norm``, so the twins stay identical.
-
-Twins folded into FSDP (:mod:`.fold`) are one sharded parameter: each rank's two parts are
-shards, and a part's shards lie on its two twin ranks. torchtitan's norm over all of them
-(each DTensor's norm reduced over its mesh, twins included, then summed over the PP group)
-counts every part once per twin rank: twice. The norm is that of torchtitan's function
-(asked not to clip) with the double count taken out, and every shard is clipped by it.
-Any other schedule goes straight to torchtitan's function.
+``pp-1-j``), both copies holding the same full-batch gradient after ``step()``, so torchtitan's
+``clip_grad_norm_`` (summed over all local parameters, reduced over the PP group) would count every
+gradient twice. Here the norm is taken over the direction-0 copies only, with torchtitan's own
+function, which clips them; the direction-1 copies are scaled by the same ``total_norm``, so the
+twins stay identical. Twins folded into FSDP (:mod:`.fold`) are shards of one parameter, which
+torchtitan's norm counts once per twin rank: the double count is taken out of its norm, and every
+shard is clipped by that. Any other schedule goes straight to torchtitan's function.
 """
 
 from __future__ import annotations

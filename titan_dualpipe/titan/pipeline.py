@@ -1,40 +1,14 @@
 """Our schedules inside torchtitan's pipeline builder (``torchtitan.distributed.pipeline_parallel``).
 
-``pipeline_llm`` (every LLM's ``pipelining_fn``) looks these module-level names up at call
-time, so replacing them redirects it for our two schedule names and leaves every other
-name on torchtitan's own code path (0.3.0 names the last three with a leading underscore and
-calls the builder with keywords; :mod:`.generation` holds the names):
-
-- ``get_schedule_class``: "DualPipeV" / "DualPipe" (any case) -> our classes (torch's map is
-  closed, and torch's own "DualPipeV" would otherwise win); "TorchDualPipeV" -> torch's own
-  ``ScheduleDualPipeV`` (for comparisons, e.g. ``bench titan``).
-- ``generate_llm_fqn_per_model_part``: DualPipe splits the model into ``pp`` parts, not the
-  ``2*pp`` stages ``pipeline_llm`` counts.
-- ``pipeline_module_split``: torchtitan picks the V placement by class identity with torch's
-  classes, so ours ask for it by the name of torch's V schedule. DualPipe lists its ``pp``
-  parts twice: stage ``pp+j`` holds part ``j`` (on rank ``pp-1-j``), same module names.
-- ``build_pipeline_schedule``: builds our class directly, so torchtitan's threaded
-  ``OVERLAP_F_B`` callback (GPU-only, tied to torch's ``ScheduleDualPipeV``) is never
-  registered on it, and a CSV order is loaded by our class, whose lowering knows both chains.
-  The overlap switch (0.2.2: torchtitan's ``[parallelism]
-  pipeline_parallel_expert_parallel_overlap``; 0.3.0: our ``dualpipe.overlap``; default true)
-  becomes our ``overlap=``: false runs each overlapped pair's halves one after the other.
-  Two-batch overlap (0.3.0: our ``dualpipe.two_batch_overlap``; both releases:
-  ``TITAN_DUALPIPE_TWO_BATCH=1``; either turns it on) becomes our ``two_batch_overlap=``.
-  Weight gradients (0.3.0: ``dualpipe.weight_gradients`` / ``not_deferred``; both releases:
-  ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` / ``TITAN_DUALPIPE_NOT_DEFERRED``) become our
-  ``weight_gradients=`` / ``not_deferred=`` (:func:`weight_gradient_options`).
-
-DualPipeV at ``pipeline_parallel_degree`` 1 is a V of two stages on each rank (one GPU, or
-pairs overlapping expert-parallel exchanges without pipeline ranks): ``ParallelDims`` is patched
-so that torchtitan, which pipelines only above degree 1, takes its pipeline path for it
-(:func:`install_one_rank_v`). Every other schedule at degree 1 keeps torchtitan's unpipelined run.
-
-0.2.2 only: ``get_dual_pipe_v_flag`` (``torchtitan.distributed.dual_pipe_v``, and bound by name in each
-model's ``parallelize`` module: patched there by :func:`patch_dual_pipe_v_flag`) decides by the
-name "dualpipev" to wrap expert parallelism in torchtitan's ``SyncHook``s, which only that
-callback drives, and then refuses activation checkpointing. For our names it returns False:
-our schedules run overlapped pairs themselves. Every other name gets torchtitan's answer.
+``pipeline_llm`` (every LLM's ``pipelining_fn``) looks its helpers up by module-level name at
+call time, so replacing them (``get_schedule_class``, ``generate_llm_fqn_per_model_part``,
+``pipeline_module_split``, ``build_pipeline_schedule``; :mod:`.generation` holds each release's
+names) redirects it for our two schedule names and leaves every other name on torchtitan's own
+code path. The schedule is built by our class itself, with the overlap, two-batch and
+weight-gradient switches as its keywords (:func:`build_schedule`); :func:`install_one_rank_v` lets
+DualPipeV train at ``pipeline_parallel_degree`` 1; on 0.2.2 :func:`patch_dual_pipe_v_flag` keeps
+torchtitan's own DualPipeV expert-parallel hooks off our schedules. What each replacement does
+and why: docs/torchtitan.md#how-it-works.
 """
 
 from __future__ import annotations
@@ -42,9 +16,11 @@ from __future__ import annotations
 import functools
 
 import os
+import warnings
 from typing import Any, Callable
 
-from ..switches import COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHTS_IN_FLIGHT_ENV
+from ..switches import (COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, TWO_BATCH_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV,
+                        WEIGHT_GRADIENTS_ENV)
 from . import fold
 from .active import ACTIVE
 from .config_check import our_schedule
@@ -132,7 +108,7 @@ def make_module_split(original: Callable[..., tuple[list, list]]) -> Callable[..
         stages, models = original(whole_model, pp_mesh, V_STYLE_NAME, device, per_stage, **kwargs)
         ACTIVE.stages = stages
         # torchtitan parallelizes the parts next, then builds the schedule (which closes it)
-        fold.WINDOW.open = ours == "DualPipe"
+        ACTIVE.fold_window.open = ours == "DualPipe"
         return stages, models
 
     return pipeline_module_split
@@ -169,7 +145,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     from torchtitan.tools.logging import logger
 
     n = local_batch_size // par.pipeline_parallel_microbatch_size
-    fold.WINDOW.open = False
+    ACTIVE.fold_window.open = False
     # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
                                     overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option(),
@@ -177,7 +153,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     # torchtitan's validator reads the losses only: no microbatch's logits outlive their loss
     schedule.eval = functools.partial(schedule.eval, return_outputs=False)
     ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
-    if fold.WINDOW.used and not ACTIVE.folded:
+    if ACTIVE.fold_window.used and not ACTIVE.folded:
         raise RuntimeError("DualPipe: the model parts were sharded over twin pipeline ranks but the schedule does "
                            f"not see its twins folded into FSDP; set {fold.FOLD_ENV}=0 to sum them by an exchange")
     if ACTIVE.folded:  # stage s holds model part s % pp
@@ -223,24 +199,30 @@ def weight_gradient_options() -> dict[str, Any]:
     """Our schedules' ``weight_gradients`` and ``not_deferred``: the config's (0.3.0:
     ``--dualpipe.weight-gradients``, ``--dualpipe.not-deferred``; 0.2.2: the defaults), with
     ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` taking precedence and ``TITAN_DUALPIPE_NOT_DEFERRED``
-    (comma-separated) adding names; ``TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT=0`` sets
-    ``weights_in_flight=False``."""
-    from ..runtime.deferred_weights import WEIGHT_GRADIENT_MODES
+    (comma-separated) adding names; ``TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT=0`` sets
+    ``weight_gemms_in_flight=False``."""
+    from ..weights.policy import WEIGHT_GRADIENT_MODES
 
     mode = os.environ.get(WEIGHT_GRADIENTS_ENV, "") or ACTIVE.weight_gradients
     if mode not in WEIGHT_GRADIENT_MODES:
         where = f"{WEIGHT_GRADIENTS_ENV}={mode!r}" if os.environ.get(WEIGHT_GRADIENTS_ENV) else f"weight_gradients={mode!r}"
         raise ValueError(f"{where}: use one of {', '.join(WEIGHT_GRADIENT_MODES)} (deferred is the default)")
     extra = [name.strip() for name in os.environ.get(NOT_DEFERRED_ENV, "").split(",") if name.strip()]
-    in_flight = os.environ.get(WEIGHTS_IN_FLIGHT_ENV, "") or "1"
+    name = WEIGHT_GEMMS_IN_FLIGHT_ENV
+    if not os.environ.get(name) and os.environ.get(OLD_WEIGHTS_IN_FLIGHT_ENV):
+        warnings.warn(f"{OLD_WEIGHTS_IN_FLIGHT_ENV} is deprecated: set {WEIGHT_GEMMS_IN_FLIGHT_ENV}", DeprecationWarning,
+                      stacklevel=2)
+        name = OLD_WEIGHTS_IN_FLIGHT_ENV
+    in_flight = os.environ.get(name, "") or "1"
     if in_flight not in ("0", "1"):
-        raise ValueError(f"{WEIGHTS_IN_FLIGHT_ENV}={in_flight!r}: use 1 (a full backward's weight GEMMs run while "
+        raise ValueError(f"{name}={in_flight!r}: use 1 (a full backward's weight GEMMs run while "
                          "its exchanges fly, the default) or 0 (inline)")
-    return {"weight_gradients": mode, "not_deferred": [*ACTIVE.not_deferred, *extra], "weights_in_flight": in_flight == "1"}
+    return {"weight_gradients": mode, "not_deferred": [*ACTIVE.not_deferred, *extra],
+            "weight_gemms_in_flight": in_flight == "1"}
 
 
 def _weight_gradients_note(schedule: Any) -> str:
-    from ..runtime.deferred_weights import DEFERRING_MODES
+    from ..weights.policy import DEFERRING_MODES
 
     if schedule.weight_gradients not in DEFERRING_MODES:
         return f"; weight gradients: {schedule.weight_gradients}"
@@ -268,7 +250,7 @@ def _two_batch_note(schedule: Any, par: Any) -> str:
     if par.pipeline_parallel_microbatch_size < 2:
         return ("; two-batch overlap is on for stages " + str(sorted(schedule.two_batch_stages))
                 + " but microbatches of 1 row run whole (pipeline_parallel_microbatch_size >= 2 splits them)")
-    return f"; forwards without a pair partner run in two halves (two-batch overlap) on stages {sorted(schedule.two_batch_stages)}"
+    return f"; forwards without a pair partner run as two sub-batches (two-batch overlap) on stages {sorted(schedule.two_batch_stages)}"
 
 
 def _scalar_loss(loss_fn: Callable) -> Callable:
@@ -341,7 +323,7 @@ def install() -> None:
     """Replace the four names in torchtitan's pipeline module and the DualPipeV flag (idempotent)."""
     from torchtitan.distributed import pipeline_parallel as pp_mod
 
-    fold.install()
+    fold.install(ACTIVE.fold_window)
     install_one_rank_v()
     if not GEN.registry:
         from torchtitan.distributed import dual_pipe_v

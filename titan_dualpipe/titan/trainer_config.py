@@ -1,22 +1,12 @@
 """torchtitan 0.3.0: a trainer config with our ``dualpipe`` section (overlap and weight-gradient switches).
 
 torchtitan 0.3.0 has no config key for our schedules' ``overlap`` (0.2.2 reused its
-``pipeline_parallel_expert_parallel_overlap``) or ``two_batch_overlap``, and its configs are
-dataclasses whose fields are the command line. :class:`DualPipeTrainer` is torchtitan's
-``Trainer`` unchanged; its ``Config`` adds one section, so ``--dualpipe.no-overlap`` runs
-overlapped pairs one after the other and ``--dualpipe.two-batch-overlap`` turns two-batch
-overlap on, and ``--dualpipe.weight-gradients split`` picks torch's split backward. A plain ``Trainer.Config`` works with our schedules too, with overlap on and
-two-batch overlap off (``TITAN_DUALPIPE_TWO_BATCH=1`` turns it on in either config, and on 0.2.2).
-
-In a ``config_registry``::
-
-    from titan_dualpipe.titan.trainer_config import with_dualpipe   # the package registers the schedules
-
-    def my_llama3_dualpipev():
-        config = with_dualpipe(llama3_8b())
-        config.parallelism.pipeline_parallel_schedule = "DualPipeV"
-        ...
-        return config
+``pipeline_parallel_expert_parallel_overlap``), ``two_batch_overlap`` or ``weight_gradients``, and
+its configs are dataclasses whose fields are the command line. :class:`DualPipeTrainer` is
+torchtitan's ``Trainer`` unchanged; its ``Config`` adds one section (:class:`DualPipeOptions`:
+``--dualpipe.no-overlap``, ``--dualpipe.two-batch-overlap``, ``--dualpipe.weight-gradients``, ...),
+which :func:`with_dualpipe` adds to a config of a ``config_registry``. A plain ``Trainer.Config``
+works with our schedules too, with the defaults. Usage: docs/torchtitan.md#in-your-own-config_registry-torchtitan-030.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ class DualPipeOptions:
 
     two_batch_overlap: bool = False
     """Run each lone forward (one without a pair partner) of a stage that posts expert-parallel
-    exchanges as two halves, one computing while the other's exchange is in flight (needs
+    exchanges as two sub-batches, one computing while the other's exchange is in flight (needs
     ``overlap`` and microbatches of >= 2 rows). On when this is true or when the environment has
     ``TITAN_DUALPIPE_TWO_BATCH=1`` (either turns it on; the variable alone also works on
     torchtitan 0.2.2, which has no config key for it)."""

@@ -1,24 +1,16 @@
 """Hooks on torchtitan's trainer and metrics for our schedules.
 
-- ``Trainer.init_distributed``: before it creates the process group, resolve shipped-asset
-  paths, check the config (:mod:`.config_check`), record the plan and the overlap switches and,
-  for our schedules, make torchtitan's expert-parallel exchanges hand-over points of
-  overlapped pairs (:mod:`.expert_overlap`). Both ways torchtitan loads us (0.2.2's
-  ``custom_import``, 0.3.0's import of a ``config_registry`` that imports ours) run before the
-  trainer is constructed, so replacing the class attribute catches this very trainer. On
-  0.2.2 with ``python -m torchtitan.train`` the class also lives in ``__main__``; both are
-  hooked.
-- Loss: both our schedules have the losses on pipeline rank 0 (DualPipeV's last stage
-  ``2pp-1`` lives there; DualPipe computes them on ranks 0 and ``pp-1``), while torchtitan
-  assumes the last PP rank for every schedule but "ZBVZeroBubble" and logs ``loss: -1``
-  elsewhere (validation: ``-1 / tokens``, its validator builds no schedule of its own and runs
-  ``pp_schedule.eval()``, which ours support). ``MetricsProcessor.log`` and ``log_validation``
-  take the loss from pipeline rank 0 on every rank, so every console shows it; ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and the
-  ``ensure_pp_loss_visible`` warning about LOG_RANK is moot.
-- MoE under DualPipe: the optimizer builder also registers the twin expert-count sum
-  (:mod:`.moe_twins`): 0.2.2 through ``get_train_spec`` (whose ``parallelize`` module's bound
-  ``get_dual_pipe_v_flag`` is patched there too, :func:`.pipeline.patch_dual_pipe_v_flag`),
-  0.3.0 through the config's model spec.
+- ``Trainer.init_distributed``: before it creates the process group, resolve shipped-asset paths,
+  check the config (:mod:`.config_check`), record the plan and the switches (:mod:`.active`) and,
+  for our schedules, make torchtitan's expert-parallel exchanges hand-over points
+  (:mod:`.expert_overlap`). Both ways torchtitan loads us run before the trainer is constructed, so
+  replacing the class attribute catches this very trainer (on 0.2.2 under ``python -m
+  torchtitan.train`` its ``__main__`` copy too).
+- Loss: our schedules compute the losses on pipeline rank 0, where torchtitan logs them from the
+  last PP rank only (``loss: -1`` elsewhere): ``MetricsProcessor.log`` and ``log_validation`` take
+  them from pipeline rank 0 on every rank, ``_get_metrics_rank`` (TensorBoard / W&B) is rank 0 and
+  ``ensure_pp_loss_visible`` stays silent.
+- MoE under DualPipe: the optimizer builder also registers the twins' expert-count sum (:mod:`.moe_twins`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Two-batch overlap in the simulator: which actions run on two halves, and what they cost.
+"""Two-batch overlap in the simulator: which actions run on two sub-batches, and what they cost.
 
-Which microbatches split comes from :mod:`titan_dualpipe.orders.two_batch`, the rule the
-runtime applies; the simulator models ``two_batch_overlap="all"`` (every stage splits). As the
-runtime runs them:
-
-- a lone forward of a split microbatch costs ``F2``;
-- its backward, when lone too, runs whole (input and weight gradients in one pass) on the two
-  halves and costs ``B2``: at its ``B``; or at its ``I``, its ``W`` then costing 0; on a
-  chain's first stage the runtime defers the ``I`` to the ``W`` (nothing needs the input
-  gradient), so there the ``I`` costs 0 and the ``W`` ``B2``;
-- the backward of a pair runs in the pair (``FB``), as for an unsplit microbatch.
-
-A split microbatch's activation is freed by the action that runs its backward: its ``I`` on
-a stage that is not first in its chain, instead of its ``W``.
+Which microbatches split comes from :mod:`titan_dualpipe.orders.lone_actions`, the runtime's rule;
+the simulator models ``two_batch_overlap="all"``. A lone forward of a split microbatch costs
+``F2``; its backward, when lone too, runs whole on the two sub-batches and costs ``B2`` (at its
+``B`` or ``I``, the ``W`` then 0; on a chain's first stage at its ``W``); a pair's backward costs
+``FB`` as for an unsplit microbatch. A split microbatch's activation is freed by the action that
+runs its backward (docs/simulate.md).
 """
 
 from __future__ import annotations
@@ -21,14 +14,14 @@ from collections.abc import Collection
 
 from .._compat.pipelining import B, F, I, W, _Action
 from ..orders.dataflow import Chains
-from ..orders.two_batch import lone_forwards, paired_backwards
+from ..orders.lone_actions import lone_forwards, paired_backwards
 
 Order = dict[int, list[_Action | None]]
 
 
-def split_actions(order: Order) -> frozenset[_Action]:
+def sub_batch_actions(order: Order) -> frozenset[_Action]:
     """The compute actions (never pairs) of ``order`` that belong to a microbatch run on two
-    halves: each lone forward, and the ``B``, ``I`` and ``W`` of its backward when that is lone."""
+    sub_batches: each lone forward, and the ``B``, ``I`` and ``W`` of its backward when that is lone."""
     split: set[_Action] = set()
     for actions in order.values():
         lone, paired = lone_forwards(actions), paired_backwards(actions)
@@ -49,8 +42,8 @@ def runs_backward(action: _Action, chains: Chains) -> bool:
     return (kind == W) == chains.is_first(action.stage_index)
 
 
-def halves_cost(action: _Action, forward: float, backward: float, chains: Chains) -> float:
-    """Time of a split action, given the times of a forward and a backward on two halves."""
+def sub_batch_cost(action: _Action, forward: float, backward: float, chains: Chains) -> float:
+    """Time of a split action, given the times of a forward and a backward on two sub-batches."""
     if action.computation_type == F:
         return forward
     return backward if runs_backward(action, chains) else 0.0

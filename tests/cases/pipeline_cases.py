@@ -6,8 +6,6 @@ import contextlib
 import copy
 import os
 import tempfile
-from functools import lru_cache
-
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -20,13 +18,9 @@ from titan_dualpipe.check.numerics import (  # noqa: F401 - shared with the test
     train_and_compare,
 )
 from titan_dualpipe.check import numerics as _numerics
-from titan_dualpipe.testing.model import TinyLM, lm_loss, split_model
+from titan_dualpipe.testing.model import TinyLM, lm_loss
 
-
-@lru_cache(maxsize=None)
-def first_ranks_group(size: int) -> dist.ProcessGroup:
-    """Group of world ranks 0..size-1 (created on every rank, in the same order)."""
-    return dist.new_group(list(range(size)))
+from cases.layout import pipeline_layout, pipeline_ranks
 
 
 def _from_csv(cls, csv_format: str):
@@ -79,17 +73,11 @@ def numerics(schedule: str, pp: int, n: int, *, defer_pp_recv: bool = False, fsd
 
     ``fsdp``: a pp x (world / pp) mesh with FSDP2 over the second dimension; otherwise the
     first ``pp`` ranks (the others return None)."""
-    rank = dist.get_rank()
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
-        group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
-        kwargs.update(fsdp_mesh=mesh["dp"], dp_index=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size())
-    else:
-        group, pp_rank = first_ranks_group(pp), rank
-        if rank >= pp:
-            return None
+    if (layout := pipeline_layout(pp, fsdp)) is None:
+        return None
+    group, pp_rank, dp_mesh, dp_index = layout
+    if dp_mesh is not None:
+        kwargs.update(fsdp_mesh=dp_mesh, dp_index=dp_index, dp_size=dp_mesh.size())
     if defer_pp_recv:
         kwargs["defer_pp_recv"] = True
     kwargs.setdefault("factory", RUNTIMES[runtime](schedule))
@@ -101,10 +89,9 @@ def schedules_over_shared_modules(schedule: str, pp: int, n: int) -> dict | None
     and torch's split. Each one's step, in the order A, split, A, B, defers its weight GEMMs (or
     not) and matches the reference. By stepped schedule: the worst gradient error and the GEMMs
     its W ran from its own queue."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     reference, modules, first = build_pipeline(schedule, pp, n, group, rank)
     place = first.placement
 
@@ -122,16 +109,15 @@ def schedules_over_shared_modules(schedule: str, pp: int, n: int) -> dict | None
         sched.step(x, target=y) if place.feeds_batch(rank) else sched.step()
         reference_step(reference, x, y, n, scale_grads=True)
         out["grad_err"].append((name, _check_grads(modules, reference, f"{name} over shared modules")))
-        out["deferred_gemms"].append((name, sum(sched.weight_queue.ran.values())))
+        out["deferred_gemms"].append((name, sum(sched.weight_policy.queue.ran.values())))
     return out
 
 
 def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
     """eval(): forward only, outputs and losses equal the reference forward."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     reference, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     place = sched.placement
     x, y = batch(0, n)
@@ -163,10 +149,9 @@ def eval_held_outputs(schedule: str, pp: int, n: int, *, two_batch: bool = False
     measured eval after a warm-up one, how many outputs every stage's ``fwd_cache`` and the step's
     two-batch halves held at its end; then eval's default (the outputs returned, as torch's), its
     peak, outputs and losses checked against the reference."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     result: dict = {"rank": rank, "logits_bytes": MB_SIZE * SEQ * VOCAB * 4}
     for key in ("peak", "peak_with_outputs", "fwd_cache", "halves", "outputs_checked", "last_microbatches"):
         result[key] = {}
@@ -181,11 +166,11 @@ def _measured_eval(schedule: str, pp: int, n: int, group, rank: int, two_batch: 
     options = {"two_batch_overlap": "all"} if two_batch else {}
     reference, modules, sched = build_pipeline(schedule, pp, n, group, rank, **options)
     place = sched.placement
-    halves_at_end: list[int] = []
+    sub_batches_at_end: list[int] = []
     after_step = sched._after_step
 
     def watched(executor) -> None:
-        halves_at_end.append(len(executor.halves))
+        sub_batches_at_end.append(len(executor.sub_batches))
         after_step(executor)
 
     sched._after_step = watched
@@ -205,7 +190,7 @@ def _measured_eval(schedule: str, pp: int, n: int, group, rank: int, two_batch: 
     with LiveTensorBytes() as meter:
         out, kept_losses = run()
     result["peak_with_outputs"][n] = meter.peak
-    result["halves"][n] = halves_at_end
+    result["halves"][n] = sub_batches_at_end
     result["last_microbatches"][n] = sum(len(place.microbatches(s)) for s in modules if place.is_last(s))
     result["outputs_checked"][n] = _check_eval(reference, place, modules, x, y, n, out, kept_losses)
     if result["outputs_checked"][n]:
@@ -218,10 +203,9 @@ def agreement_collectives(schedule: str, pp: int, n: int) -> dict | None:
     from titan_dualpipe.runtime.comm_record import CommRecorder
     from titan_dualpipe.orders.nccl_model import Collective, Post
 
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     feeds = sched.placement.feeds_batch(rank)
     counts = []
@@ -261,10 +245,9 @@ def microbatch_forms(schedule: str, pp: int, n: int) -> dict | None:
     """Whole-batch and pre-split calls of the same microbatches, alternated in eval() and in step()
     (each form starting once): every eval gives the same losses, every step the reference's
     losses and gradients."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     reference, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     place = sched.placement
     feeds, holds_last = place.feeds_batch(rank), any(place.is_last(s) for s in modules)
@@ -287,12 +270,9 @@ def changed_microbatches(schedule: str, pp: int, n: int, group_timeout_s: float)
     """An eval() with the whole batch, then one with pre-split microbatches one token shorter: what
     each rank raised (the ranks passing them at once; the others when their pipeline traffic
     fails, within the group timeout)."""
-    from datetime import timedelta
-
-    group = dist.new_group(list(range(pp)), timeout=timedelta(seconds=group_timeout_s))
-    rank = dist.get_rank()
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp, timeout_s=group_timeout_s)) is None:
         return None
+    group, rank = ranks
     _, _, sched = build_pipeline(schedule, pp, n, group, rank)
     feeds = sched.placement.feeds_batch(rank)
     x, y = batch(0, n)
@@ -312,10 +292,9 @@ def bad_step_inputs(schedule: str, pp: int, n: int, mistake: str = "no_target") 
     ``mixed``: whole-batch inputs together with pre-split ones; ``unsplittable``: rank 0 adds a
     keyword input with fewer rows than microbatches; ``entries``: rank 0 passes each microbatch's
     tensor as an ``arg_mbs`` entry, not in a tuple."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     x, y = batch(0, n)
     place = sched.placement
@@ -343,10 +322,9 @@ def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int 
     """Constructor errors: raised on every rank before any pipeline traffic (``only_rank``:
     the mistake is made on that rank alone). ``error_kind``: caught as torch-style code catches
     its schedules' errors (``RuntimeError``); the class name instead of the message."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     place = placement(schedule, pp, max(n, 2 * pp + 2))
     torch.manual_seed(0)
     module = TinyLM(vocab=VOCAB, dim=16, layers=2, heads=2)
@@ -373,10 +351,9 @@ def bad_stage_list(schedule: str, pp: int, n: int, mistake: str, only_rank: int 
 
 def overlap_matches_sequential(schedule: str, pp: int, n: int) -> dict | None:
     """overlap=True and overlap=False give bitwise equal losses and gradients, step after step."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     runs = {}
     for overlap in (True, False):
         _, modules, sched = build_pipeline(schedule, pp, n, group, rank, overlap=overlap, record_timeline=True)
@@ -415,19 +392,11 @@ def torch_schedule_grad_error(name: str, pp: int, n: int, fsdp: bool) -> float |
     from titan_dualpipe._compat.stage_init import runnable_on_gloo
 
     cls = {"torch DualPipeV": TorchDualPipeV, "ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
-    rank = dist.get_rank()
-    dp_mesh = None
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
-        group, dp_mesh, pp_rank = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank()
-        if mesh["dp"].size() != 1:
-            raise ValueError("torch_schedule_grad_error compares against a single replica: use pp == world size")
-    else:
-        group, pp_rank = first_ranks_group(pp), rank
-        if rank >= pp:
-            return None
+    if (layout := pipeline_layout(pp, fsdp)) is None:
+        return None
+    group, pp_rank, dp_mesh, _ = layout
+    if dp_mesh is not None and dp_mesh.size() != 1:
+        raise ValueError("torch_schedule_grad_error compares against a single replica: use pp == world size")
     RUNTIMES["torch:" + name] = lambda schedule: lambda stages, n, **kw: runnable_on_gloo(cls(stages, n, **kw))
     reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, pp_rank, fsdp_mesh=dp_mesh,
                                                runtime="torch:" + name)
@@ -458,9 +427,9 @@ def compiled_stages_numerics(schedule: str, pp: int, n: int, *, backend: str = "
         sched = SCHEDULES[schedule](stages, n_mbs, weight_gradients=weight_gradients, **schedule_kwargs)
         every = {s.stage_index for s in stages}
         if weight_gradients != "deferred_compiled":
-            assert sched.whole_backward_stages == every, sched.whole_backward_stages
+            assert sched.weight_policy.whole_stages == every, sched.weight_policy.whole_stages
         else:  # the compiled blocks' linear layers defer like eager ones
-            assert not sched.whole_backward_stages and sched.deferred_weight_stages == every, sched.deferred_weights
+            assert not sched.weight_policy.whole_stages and sched.weight_policy.deferred_stages == every, sched.deferred_weights
             assert all(any(name.endswith(".w1") for name in names) for names in sched.deferred_weights.values())
         built.append(sched)
         return sched
@@ -468,7 +437,7 @@ def compiled_stages_numerics(schedule: str, pp: int, n: int, *, backend: str = "
     result = numerics(schedule, pp, n, fsdp=fsdp, factory=checked_schedule, compile_backend=backend,
                       compile_reference=compile_reference, **kwargs)
     if result is not None:
-        result["gemms_at_w"] = dict(built[-1].weight_queue.ran)
+        result["gemms_at_w"] = dict(built[-1].weight_policy.queue.ran)
     return result
 
 
@@ -477,16 +446,9 @@ def recorded_step_trace(schedule: str, pp: int, n: int, *, fsdp: bool = False, *
     from titan_dualpipe.runtime.comm_record import CommRecorder
 
     rank = dist.get_rank()
-    dp_mesh = None
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
-        group, dp_mesh, pp_rank, dp_index = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    else:
-        group, pp_rank, dp_index = first_ranks_group(pp), rank, 0
-        if rank >= pp:
-            return None
+    if (layout := pipeline_layout(pp, fsdp)) is None:
+        return None
+    group, pp_rank, dp_mesh, dp_index = layout
     _, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, **schedule_kwargs)
     with CommRecorder() as recorder:
         for step in range(2):
@@ -500,10 +462,9 @@ def recorded_trace_of_hand_made_order(pp: int, n: int, move: str, after: str) ->
     runs it (it buffers sends); the recorded trace is returned for the NCCL model to judge."""
     from titan_dualpipe.runtime.comm_record import CommRecorder
 
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, rank)
     order = {r: list(actions) for r, actions in sched.pipeline_order_with_comms.items()}
     moved = next(a for a in order[1] if str(a) == move)
@@ -525,19 +486,11 @@ def steps_with_collectives_on_stage_device(schedule: str, pp: int, n: int, *, fs
     must be on the stages' device; then the numerics against the reference."""
     from titan_dualpipe.runtime.comm_record import CommRecorder
 
-    rank = dist.get_rank()
-    dp_mesh = None
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
-        group, dp_mesh, pp_rank = mesh["pp"].get_group(), mesh["dp"], mesh["pp"].get_local_rank()
-        if mesh["dp"].size() != 1:
-            raise ValueError("use pp == world size with fsdp here (one replica to compare with)")
-    else:
-        group, pp_rank = first_ranks_group(pp), rank
-        if rank >= pp:
-            return None
+    if (layout := pipeline_layout(pp, fsdp)) is None:
+        return None
+    group, pp_rank, dp_mesh, _ = layout
+    if dp_mesh is not None and dp_mesh.size() != 1:
+        raise ValueError("use pp == world size with fsdp here (one replica to compare with)")
     reference, modules, sched = build_pipeline(schedule, pp, n, group, pp_rank, fsdp_mesh=dp_mesh, **schedule_kwargs)
     feeds = sched.placement.feeds_batch(pp_rank)
     opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
@@ -562,12 +515,9 @@ def killed_mid_step(schedule: str, pp: int, n: int, victim: int, group_timeout_s
     import signal
     import time
 
-    from datetime import timedelta
-
-    rank = dist.get_rank()
-    group = dist.new_group(list(range(pp)), timeout=timedelta(seconds=group_timeout_s))
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp, timeout_s=group_timeout_s)) is None:
         return None
+    group, rank = ranks
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     forwards = [0]
 
@@ -662,10 +612,9 @@ def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) 
     """User stages whose blocks run under torch's checkpoint (``style``, see :func:`_checkpoint_layers`):
     losses and every gradient against the reference without AC, two steps with Adam between;
     also which (stage, microbatch) backwards ran whole at I in the last step."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     built = []
 
     def factory(stages, n, **schedule_kwargs):
@@ -686,8 +635,8 @@ def checkpointed_numerics(schedule: str, pp: int, n: int, style: str, **kwargs) 
     sched = built[0]
     layers = {s.stage_index: sorted(s.submod.layers) for s in sched._stages}
     return {**result, "whole_at_input": sorted(sched.whole_backwards), "layers": layers,
-            "deferred_gemms": dict(sched.weight_queue.ran), "in_flight_gemms": sched.weight_queue.ran_in_flight,
-            "in_flight_stages": sorted(sched.weights_in_flight_stages), "recomputes": dict(_block_recomputes),
+            "deferred_gemms": dict(sched.weight_policy.queue.ran), "in_flight_gemms": sched.weight_policy.queue.ran_in_flight,
+            "in_flight_stages": sorted(sched.weight_policy.in_flight_stages), "recomputes": dict(_block_recomputes),
             "linears": {s.stage_index: len(sched.deferred_weights.get(s.stage_index, [])) for s in sched._stages},
             "deferred_names": dict(sched.deferred_weights),
             "linear_modules": {s.stage_index: sum(isinstance(m, torch.nn.Linear) for m in s.submod.modules())
@@ -718,10 +667,9 @@ def _garbage_tensors(run) -> list[torch.Tensor]:
 
 def tensors_left_for_gc(schedule: str, pp: int, n: int, overlap: bool) -> dict | None:
     """A second training step (the first initialises the stages) leaves no tensor in a reference cycle."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank, overlap=overlap)
     feeds = sched.placement.feeds_batch(rank)
 
@@ -802,10 +750,9 @@ def custom_functions_numerics(schedule: str, pp: int, n: int, callbacks: str) ->
 
     from titan_dualpipe._compat.pipelining import F, OVERLAP_F_B
 
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     calls: Counter = Counter()
     built: list = []
     streams = contextlib.nullcontext()
@@ -851,10 +798,9 @@ def _static_stage(stage) -> PipelineStage:
 
 def static_metadata_numerics(schedule: str, pp: int, n: int) -> dict | None:
     """Stages built with ``input_args=``/``output_args=`` train like the reference."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     modes: list = []
 
     def factory(stages, n, **kwargs):
@@ -873,10 +819,9 @@ def torch_dualpipev_static_metadata(pp: int, n: int) -> dict | None:
 
     from titan_dualpipe._compat.stage_init import runnable_on_gloo
 
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     RUNTIMES["torch:static DualPipeV"] = lambda schedule: (
         lambda stages, n, **kw: runnable_on_gloo(TorchDualPipeV([_static_stage(s) for s in stages], n, **kw)))
     reference, modules, sched = build_pipeline("DualPipeV", pp, n, group, rank, runtime="torch:static DualPipeV")
@@ -921,10 +866,9 @@ def traced_numerics(schedule: str, pp: int, n: int, steps: int = 2) -> dict | No
     from torch import nn
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     place = placement(schedule, pp, n)
     torch.manual_seed(0)
     parts = [nn.Sequential(nn.Linear(TRACED_DIM, TRACED_DIM), nn.Tanh())
@@ -976,12 +920,11 @@ def _marked_whole(module) -> str:
 def whole_backward_by_rule(schedule: str, pp: int, n: int) -> dict | None:
     """A static rule (``register_whole_backward_rule``) keeps every backward of this rank's
     second stage whole at I: numerics against the reference, and which backwards ran whole."""
-    from titan_dualpipe.runtime.split_backward import register_whole_backward_rule
+    from titan_dualpipe.weights import register_whole_backward_rule
 
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     register_whole_backward_rule(_marked_whole)
     built = []
 
@@ -1021,26 +964,26 @@ def checkpointed_fsdp_numerics(schedule: str, pp: int, n: int, runtime: str, **k
     and how many weight GEMMs waited for W (last step)."""
     result = numerics(schedule, pp, n, fsdp=True, runtime=runtime, **kwargs)
     sched = _BUILT_WITH_CHECKPOINTS[0]
-    return {**result, "whole_at_input": len(sched.whole_backwards), "deferred_gemms": sum(sched.weight_queue.ran.values())}
+    return {**result, "whole_at_input": len(sched.whole_backwards), "deferred_gemms": sum(sched.weight_policy.queue.ran.values())}
 
 
 def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
     """:func:`numerics` with ``two_batch_overlap="all"`` (TinyLM has no exchanges);
     counts the microbatches that ran in halves."""
-    from titan_dualpipe.overlap import two_batch
+    from titan_dualpipe.overlap import sub_batches
 
     joins: list = []
-    real = two_batch.join_halves
+    real = sub_batches.join_sub_batches
 
     def counted(outputs, sizes):
         joins.append(sizes)
         return real(outputs, sizes)
 
-    two_batch.join_halves = counted
+    sub_batches.join_sub_batches = counted
     try:
         result = numerics(schedule, pp, n, two_batch_overlap="all", **kwargs)
     finally:
-        two_batch.join_halves = real
+        sub_batches.join_sub_batches = real
     if result is not None:
         result["split"] = len(joins)
     return result
@@ -1049,10 +992,9 @@ def two_batch_numerics(schedule: str, pp: int, n: int, **kwargs) -> dict | None:
 def start_up_calls(schedule: str, pp: int, n: int) -> dict | None:
     """How often the schedule's start-up connected its pairs (``connect``) and ran again without
     connecting, over two training steps and an eval (first ``pp`` ranks)."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     _, modules, sched = build_pipeline(schedule, pp, n, group, rank)
     calls = {"connect": 0, "again": 0}
     start_up = sched._start_up
@@ -1073,10 +1015,9 @@ def start_up_calls(schedule: str, pp: int, n: int) -> dict | None:
 
 def bad_schedule_options(schedule: str, pp: int, n: int, **options) -> str | None:
     """The constructor's error for ``options`` (first ``pp`` ranks), raised before any traffic."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     place = placement(schedule, pp, n)
     module = TinyLM(vocab=VOCAB, dim=16, layers=2, heads=2)
     stages = [PipelineStage(copy.deepcopy(module), s, place.num_stages, torch.device("cpu"), group=group)
@@ -1091,10 +1032,9 @@ def bad_schedule_options(schedule: str, pp: int, n: int, **options) -> str | Non
 def forward_contexts_seen(schedule: str, pp: int, n: int, **schedule_kwargs) -> list | None:
     """torch 2.15's ``stage.register_forward_context``: the (stage, microbatch) of every context
     entered in a second training step (the first also runs metadata inference), first ``pp`` ranks."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     _, _, sched = build_pipeline(schedule, pp, n, group, rank, **schedule_kwargs)
     seen: list = []
 
@@ -1116,10 +1056,9 @@ def forward_contexts_seen(schedule: str, pp: int, n: int, **schedule_kwargs) -> 
 def released_after_send(schedule: str, pp: int, n: int, **schedule_kwargs) -> dict | None:
     """torch 2.15's ``release_fwd_send_outputs``: the microbatches each stage was told to release
     in a training step, and how many forward sends the rank's order has per stage."""
-    rank = dist.get_rank()
-    group = first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     _, _, sched = build_pipeline(schedule, pp, n, group, rank, **schedule_kwargs)
     released: dict[int, list[int]] = {stage.stage_index: [] for stage in sched._stages}
     for stage in sched._stages:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
+from cases.pipeline_cases import ATOL, RTOL, SCHEDULES, _full, batch, reference_step
 from titan_dualpipe import placement
 from titan_dualpipe._compat.stage_init import runnable_on_gloo
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
@@ -27,7 +27,8 @@ from titan_dualpipe.overlap import moe as moe_module
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
 from titan_dualpipe.overlap.comm import ExpertParallelComm
-from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from titan_dualpipe.cut import cut_layers
+from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel
 from titan_dualpipe.testing.model import compile_blocks
 from titan_dualpipe.testing.model import lm_loss
 
@@ -70,7 +71,7 @@ def _is_expert(name: str) -> bool:
 
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
-          reshard_after_forward: bool | None = None, weights_in_flight: bool = True,
+          reshard_after_forward: bool | None = None, weight_gemms_in_flight: bool = True,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place."""
@@ -79,7 +80,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp:
     torch.manual_seed(0)
     reference = module_cls(ARGS, activation_checkpoint=checkpoint)
     n_parts = place.num_stages if schedule == "DualPipeV" else PP
-    parts = split_parts(reference, n_parts)
+    parts = cut_layers(reference, n_parts)
     comm = ExpertParallelComm(topo.ep_group)
     modules = {s: parts[place.model_part(s)] for s in place.stages_of(topo.pp_rank)}
     for module in modules.values():
@@ -94,7 +95,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp:
         sched = runnable_on_gloo(schedule_cls(stages, n, loss_fn=lm_loss))
     else:
         sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch,
-                                    weights_in_flight=weights_in_flight)
+                                    weight_gemms_in_flight=weight_gemms_in_flight)
     return reference, modules, sched, comm
 
 
@@ -156,7 +157,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
     if compile_backend:  # compiled stages keep their backward whole (the default)
         from torch._dynamo.utils import counters
 
-        assert all(r[2].whole_backward_stages == set(r[1]) for r in runs.values())
+        assert all(r[2].weight_policy.whole_stages == set(r[1]) for r in runs.values())
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {o: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
             for o, r in runs.items()}
@@ -172,9 +173,9 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
                 losses = _step(sched, modules, place, x, y)
             result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
             result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
-            result["deferred_expert_gemms"] += sched.weight_queue.ran_kinds["experts"]
-            result["deferred_linear_gemms"] += sched.weight_queue.ran_kinds["linear"]
-            result["weight_gemms_in_flight"] += sched.weight_queue.ran_in_flight if overlap else 0
+            result["deferred_expert_gemms"] += sched.weight_policy.queue.ran_kinds["experts"]
+            result["deferred_linear_gemms"] += sched.weight_policy.queue.ran_kinds["linear"]
+            result["weight_gemms_in_flight"] += sched.weight_policy.queue.ran_in_flight if overlap else 0
             raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
             _average_over_data_shards(modules, fsdp)
             result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))
@@ -211,17 +212,24 @@ def _reference_losses(reference: nn.Module, step: int, n: int, ep_index: int) ->
     return want
 
 
-def weights_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, steps: int = 2) -> dict:
-    """The relayed MoE pipeline with weights in flight and without: the reference's losses and
-    gradients, and bit for bit each other's (the same GEMMs, accumulated in the same order)."""
-    ep_index = topology().ep_index
-    place = placement(schedule, PP, n)
-    runs = {flying: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=False, module_cls=RelayedMoETransformer,
-                          weights_in_flight=flying) for flying in (True, False)}
+def _runs_on_and_off(option: str, schedule: str, n: int, **kwargs) -> tuple[dict, torch.nn.Module, Any, dict]:
+    """The overlapped pipeline built twice, with ``option`` True and False (the other ``build``
+    arguments as given), the reference model (the first build's), and an Adam per model."""
+    runs = {on: build(schedule, n, overlap=True, **kwargs, **{option: on}) for on in (True, False)}
     reference = runs[True][0]
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
             for k, r in runs.items()}
+    return runs, reference, ref_opt, opts
+
+
+def weight_gemms_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, steps: int = 2) -> dict:
+    """The relayed MoE pipeline with weight GEMMs in flight and without: the reference's losses and
+    gradients, and bit for bit each other's (the same GEMMs, accumulated in the same order)."""
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    runs, reference, ref_opt, opts = _runs_on_and_off("weight_gemms_in_flight", schedule, n, checkpoint=checkpoint,
+                                                      fsdp=False, module_cls=RelayedMoETransformer)
     result = {"grad_err": 0.0, "bitwise_tensors": 0, "in_flight": 0, "losses_checked": 0}
     for step in range(steps):
         want = _reference_losses(reference, step, n, ep_index)
@@ -235,9 +243,9 @@ def weights_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, 
             if losses:
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
                 result["losses_checked"] += len(losses)
-            result["in_flight"] += sched.weight_queue.ran_in_flight if flying else 0
+            result["in_flight"] += sched.weight_policy.queue.ran_in_flight if flying else 0
             got[flying] = (losses, raw)
-        result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: weights in flight")
+        result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: weight GEMMs in flight")
         for opt in (*opts.values(), ref_opt):
             opt.step()
             opt.zero_grad()
@@ -249,22 +257,18 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
     """Two-batch overlap on (``True``: the stages with exchanges, here all) against the reference and against the
     same pipeline with it off: losses and every gradient, two steps with Adam between; counts
     the microbatches split, the halves the module interleaved itself and the relays' hand-overs."""
-    from titan_dualpipe.overlap import two_batch as halves_module
+    from titan_dualpipe.overlap import sub_batches as sub_batches_module
 
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
     module_cls = RelayedMoETransformer if relay else MoETransformer
-    runs = {split: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
-                         two_batch=split) for split in (True, False)}
-    reference = runs[True][0]
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
-            for k, r in runs.items()}
+    runs, reference, ref_opt, opts = _runs_on_and_off("two_batch", schedule, n, checkpoint=checkpoint, fsdp=fsdp,
+                                                      module_cls=module_cls)
     result = {"grad_err": 0.0, "split_vs_whole": 0.0, "losses_checked": 0, "split": 0, "fused_halves": 0,
               "halves_hand_overs": 0, "two_batch_stages": sorted(runs[True][2].two_batch_stages)}
     joins, relays, fused = [], [], []
-    real_join, real_relay = halves_module.join_halves, halves_module.run_relayed
-    real_fused = MoETransformer.overlapped_halves_forward.__func__, MoETransformer.overlapped_halves_backward.__func__
+    real_join, real_relay = sub_batches_module.join_sub_batches, sub_batches_module.run_relayed
+    real_fused = MoETransformer.overlapped_sub_batches_forward.__func__, MoETransformer.overlapped_sub_batches_backward.__func__
 
     def counted_join(outputs, sizes):
         joins.append(sizes)
@@ -274,9 +278,9 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
         relays.append(real_relay(first, second))
         return relays[-1]
 
-    halves_module.join_halves, halves_module.run_relayed = counted_join, counted_relay
-    MoETransformer.overlapped_halves_forward = classmethod(lambda c, m, h: fused.append(1) or real_fused[0](c, m, h))
-    MoETransformer.overlapped_halves_backward = classmethod(lambda c, m, h: fused.append(1) or real_fused[1](c, m, h))
+    sub_batches_module.join_sub_batches, sub_batches_module.run_relayed = counted_join, counted_relay
+    MoETransformer.overlapped_sub_batches_forward = classmethod(lambda c, m, h: fused.append(1) or real_fused[0](c, m, h))
+    MoETransformer.overlapped_sub_batches_backward = classmethod(lambda c, m, h: fused.append(1) or real_fused[1](c, m, h))
     try:
         for step in range(steps):
             want = _reference_losses(reference, step, n, ep_index)
@@ -291,16 +295,16 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
                     result["losses_checked"] += len(losses)
                 grads[split] = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
                 if split:
-                    result["deferred"] = sorted(sched.weight_queue.ran_microbatches)  # (stage, mb) whose W ran GEMMs
+                    result["deferred"] = sorted(sched.weight_policy.queue.ran_microbatches)  # (stage, mb) whose W ran GEMMs
             for a, b in zip(grads[True], grads[False], strict=True):
                 result["split_vs_whole"] = max(result["split_vs_whole"], (a - b).abs().max().item())
             for opt in (*opts.values(), ref_opt):
                 opt.step()
                 opt.zero_grad()
     finally:
-        halves_module.join_halves, halves_module.run_relayed = real_join, real_relay
-        MoETransformer.overlapped_halves_forward = classmethod(real_fused[0])
-        MoETransformer.overlapped_halves_backward = classmethod(real_fused[1])
+        sub_batches_module.join_sub_batches, sub_batches_module.run_relayed = real_join, real_relay
+        MoETransformer.overlapped_sub_batches_forward = classmethod(real_fused[0])
+        MoETransformer.overlapped_sub_batches_backward = classmethod(real_fused[1])
     result.update(split=len(joins), fused_halves=len(fused), halves_hand_overs=sum(r.hand_overs for r in relays),
                   relayed_halves=len(relays))
     return result

@@ -1,8 +1,8 @@
-"""Loaded inside torchtitan's trainer processes by the end-to-end tests (``tests/test_titan.py``).
+"""Loaded inside torchtitan's trainer processes by the end-to-end tests (tests/titan/).
 
-torchtitan 0.2.2 loads it with ``--experimental.custom_import titan_probe``; on 0.3.0 it is the
+torchtitan 0.2.2 loads it with ``--experimental.custom_import cases.titan_probe``; on 0.3.0 it is the
 ``--module`` of the run: a user's own config registry that imports ours (the pattern
-docs/torchtitan.md documents), so ``--module titan_probe --config debug_dualpipe`` runs our
+docs/torchtitan.md documents), so ``--module cases.titan_probe --config debug_dualpipe`` runs our
 config with the probe.
 
 With ``PROBE_ENV`` set it records, at ``Trainer.close``, each rank's schedule class, its
@@ -39,7 +39,7 @@ def _install_probe(out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
-    from titan_dualpipe.overlap import pair, two_batch
+    from titan_dualpipe.overlap import pair, sub_batches
 
     trainer_class = importlib.import_module(GEN.trainer_module).Trainer
     original_close = trainer_class.close
@@ -53,20 +53,20 @@ def _install_probe(out_dir: str) -> None:
         return done
 
     pair.run_relayed = counted_run_relayed
-    split = {"microbatches": 0, "relays": 0, "hand_overs": 0}  # two-batch overlap's halves
-    join_halves, halves_relayed = two_batch.join_halves, two_batch.run_relayed
+    split = {"microbatches": 0, "relays": 0, "hand_overs": 0}  # two-batch overlap's sub-batches
+    join_sub_batches, sub_batches_relayed = sub_batches.join_sub_batches, sub_batches.run_relayed
 
     def counted_join(outputs, sizes):
         split["microbatches"] += 1
-        return join_halves(outputs, sizes)
+        return join_sub_batches(outputs, sizes)
 
-    def counted_halves_relayed(first, second):
-        done = halves_relayed(first, second)
+    def counted_sub_batches_relayed(first, second):
+        done = sub_batches_relayed(first, second)
         split["relays"] += 1
         split["hand_overs"] += done.hand_overs
         return done
 
-    two_batch.join_halves, two_batch.run_relayed = counted_join, counted_halves_relayed
+    sub_batches.join_sub_batches, sub_batches.run_relayed = counted_join, counted_sub_batches_relayed
 
     def close(self) -> None:
         schedule = getattr(self, "pp_schedule", None)
@@ -81,8 +81,8 @@ def _install_probe(out_dir: str) -> None:
                 "two_batch_stages": sorted(getattr(schedule, "two_batch_stages", ())),
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
                 "deferred_weights": {str(s): names for s, names in getattr(schedule, "deferred_weights", {}).items()},
-                "deferred_last_step": dict(schedule.weight_queue.ran_kinds) if hasattr(schedule, "weight_queue") else {},
-                "deferred_in_flight": getattr(getattr(schedule, "weight_queue", None), "ran_in_flight", 0),
+                "deferred_last_step": dict(schedule.weight_policy.queue.ran_kinds) if hasattr(schedule, "weight_policy") else {},
+                "deferred_in_flight": schedule.weight_policy.queue.ran_in_flight if hasattr(schedule, "weight_policy") else 0,
             }
             path = Path(out_dir) / f"probe_rank{dist.get_rank()}.json"
             path.write_text(json.dumps(record))

@@ -1,24 +1,13 @@
 """Deferrable expert GEMMs: the weight GEMMs of mixture-of-experts layers, queued at ``I`` for ``W``.
 
-An expert layer multiplies tokens by expert weights that it first reshapes: sliced per expert
-(``w1[e].transpose(-2, -1)``, torchtitan 0.2.2's loop), cast and transposed
-(``w1.bfloat16().transpose(-2, -1)``, its grouped GEMM), taken from a DTensor (``to_local()``
-under expert parallelism). So its second operand is not a parameter but a tensor computed from
-one. While an installed expert module runs its forward, :class:`DeferringExpertGemms` (a
-``TorchFunctionMode``) routes each GEMM whose second operand needs a gradient through
-:class:`_DeferrableGemm`:
-
-- ``torch.matmul`` / ``torch.mm`` of a 2-D weight operand, ``torch.bmm``, ``torch._grouped_mm``
-  (tokens x experts with offsets), and this package's float32 grouped GEMM (CPU mode).
-
-The weight operand is no input of the node: its gradient enters autograd at the operand's edge
-(:func:`~.weight_queue.root_of`), so nothing reaches the parameter at ``I``. In a backward
-inside an ``I`` the input gradient is computed at once and the weight operand's gradient GEMM is
-queued, holding the output gradient and the tokens only; at ``W`` it runs and its result flows
-back to the parameter through the operand's own small graph (slice, cast, transpose,
-``to_local``), one autograd call for all of a microbatch's weight GEMMs. Outside an ``I`` it is
-computed and given to autograd at once. Under autocast, ``mm``, ``bmm`` and ``matmul`` run on
-operands cast as autocast casts them.
+An expert layer's second GEMM operand is computed from a parameter (a per-expert slice, a cast
+and transpose, a DTensor's ``to_local()``). While an installed expert module runs its forward,
+:class:`DeferringExpertGemms` routes each ``mm`` / ``matmul`` (2-D weight), ``bmm``,
+``_grouped_mm`` and CPU mode's float32 grouped GEMM whose second operand needs a gradient
+through :class:`_DeferrableGemm`. The operand is no input of that node: its gradient enters
+autograd at the operand's edge (:func:`~.queue.root_of`), so at ``I`` nothing reaches the
+parameter, and at ``W`` the queued GEMM's result flows back through the operand's own small graph.
+A queued GEMM holds the output gradient and the tokens only.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .weight_queue import WeightGradQueue, autocast_dtype, defer_or_accumulate, root_of
+from .queue import WeightGradQueue, autocast_dtype, defer_or_accumulate, root_of
 
 
 def _float32_grouped_mm() -> Any:

@@ -1,8 +1,8 @@
 """The queue of weight GEMMs an ``I`` leaves for ``W`` (:class:`WeightGradQueue`), and how a weight
 gradient reaches autograd (:func:`root_of`, :func:`accumulate`).
 
-What both ways of deferring build on: the installed ``nn.Linear`` modules
-(:mod:`.deferred_weights`) and the expert GEMMs (:mod:`.deferred_gemms`), which import it one way.
+What both deferrable GEMMs build on: ``nn.Linear``'s (:mod:`.linear`) and the experts'
+(:mod:`.experts`).
 """
 
 from __future__ import annotations

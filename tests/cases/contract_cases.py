@@ -34,7 +34,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from titan_dualpipe import ScheduleDualPipe, ScheduleDualPipeV, placement
 from titan_dualpipe.overlap.relay import hand_over
-from titan_dualpipe.runtime.two_batch import register_exchange_rule
+from titan_dualpipe.runtime.sub_batch_runner import register_exchange_rule
+
+from cases.layout import pipeline_ranks
 
 DIM, ROWS, SEQ = 8, 2, 3  # ROWS: a microbatch's batch (two-batch halves need 2)
 # (pp, microbatches) of each schedule: DualPipe's I actions start at pp 4 (at pp 2 its only I is a
@@ -568,8 +570,8 @@ def contract_run(feature_name: str, schedule: str, path: str, ac: str) -> dict |
             result["records"] += _checked(mismatches, lambda: _compare_records(ours, per_microbatch, modules, place,
                                                                               feature, where)) or 0
         if path != "torch":
-            result["deferred"] += sum(sched.weight_queue.ran.values())
-            result["in_flight"] += sched.weight_queue.ran_in_flight
+            result["deferred"] += sum(sched.weight_policy.queue.ran.values())
+            result["in_flight"] += sched.weight_policy.queue.ran_in_flight
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -729,12 +731,9 @@ def failure_named_on_every_rank(fail_at: int, group_timeout_s: float) -> dict | 
     """Pipeline rank 0's last part raises in its ``fail_at``-th backward (the first: inside torch's
     stage initialisation, on torch releases that backpropagate there; later: inside the order):
     what each rank raised."""
-    from datetime import timedelta
-
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=group_timeout_s))
-    rank = dist.get_rank()
-    if rank >= 2:
+    if (ranks := pipeline_ranks(2, timeout_s=group_timeout_s)) is None:
         return None
+    group, rank = ranks
     place = placement("DualPipeV", 2, 4)
     parts = _parts("DualPipeV", FEATURES["plain"], "none", _FailingPart, False, Records())
     if rank == 0:

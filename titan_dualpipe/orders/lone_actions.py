@@ -2,13 +2,13 @@
 
 An overlapped pair ``(F; B)`` hides each half's exchanges behind the other half's compute. A
 forward with no partner (warm-up, and nearly every forward when microbatches are few) has
-nothing to hide behind, so two-batch overlap runs it as two halves of its microbatch (split
+nothing to hide behind, so two-batch overlap runs it as two sub-batches of its microbatch (split
 along the batch), relayed like a pair. The backward of such a microbatch then runs on the two
-halves too when it is alone (``B``, ``I``, or a first stage's deferred ``W``), and through both
-halves at once, like an unsplit microbatch, when it is the backward of a pair.
+sub-batches too when it is alone (``B``, ``I``, or a first stage's deferred ``W``), and through both
+at once, like an unsplit microbatch, when it is the backward of a pair.
 
 This is a pure function of the compute order, shared by the runtime (which microbatches to
-split) and the simulator (which actions to cost as halves).
+split) and the simulator (which actions to cost as sub-batches).
 """
 
 from __future__ import annotations

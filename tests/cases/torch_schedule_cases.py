@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from pipeline_cases import _garbage_tensors, _torch_test_callbacks, first_ranks_group
+from cases.layout import pipeline_ranks
+from cases.pipeline_cases import _garbage_tensors, _torch_test_callbacks
 from titan_dualpipe import PipelineConfigError, ScheduleDualPipe, ScheduleDualPipeV, placement
 from titan_dualpipe.check.numerics import ATOL, RTOL
 
@@ -90,8 +91,9 @@ class Setup:
     def __init__(self, schedule: str, pp: int, n: int, *, model: Callable[[int, int], nn.Module] = MLPChain,
                  batch: int = BATCH, d_hid: int = D_HID, seed: int = 0) -> None:
         self.schedule, self.pp, self.n = schedule, pp, n
-        self.rank = dist.get_rank()
-        self.group = first_ranks_group(pp)
+        ranks = pipeline_ranks(pp)
+        self.in_pipeline, self.rank = ranks is not None, dist.get_rank()
+        self.group = ranks.group if ranks else None
         self.place = placement(schedule, pp, n)
         n_parts = self.place.num_stages if schedule == "DualPipeV" else pp
         torch.manual_seed(seed)
@@ -103,15 +105,11 @@ class Setup:
         self.loss_fn = nn.MSELoss(reduction="sum")
         # DualPipeV: each stage is a part of the model (torch's tests take submodules of the full
         # model); DualPipe holds every part twice, on two modules
-        self.modules = {s: self._part(s) for s in self.place.stages_of(self.rank)} if self.rank < pp else {}
+        self.modules = {s: self._part(s) for s in self.place.stages_of(self.rank)} if self.in_pipeline else {}
 
     def _part(self, stage: int) -> nn.Module:
         part = self.full.layers[self.place.model_part(stage)]
         return part if self.schedule == "DualPipeV" else copy.deepcopy(part)
-
-    @property
-    def in_pipeline(self) -> bool:
-        return self.rank < self.pp
 
     @property
     def feeds(self) -> bool:
@@ -236,9 +234,9 @@ def pre_split_inputs(schedule: str, pp: int, n: int) -> dict | None:
     """``test_schedule_with_pre_split_inputs``: two schedules over copies of one pipeline, one fed
     the whole batch (``x``, keyword ``y``, ``target``), one its ``tensor_split`` microbatches
     (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``): the same outputs, losses and gradients, exactly."""
-    rank, group = dist.get_rank(), first_ranks_group(pp)  # every rank takes part in a group's creation
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     d_hid, rows = 16, 8 * n // 2
     place = placement(schedule, pp, n)
     torch.manual_seed(0)
@@ -640,9 +638,9 @@ def non_symmetric_stage_ids(layout: str) -> dict | None:
     pp = 2
     if layout == "v_shaped":
         return v_shape_schedules("DualPipeV", pp, 2 * pp)
-    rank, group = dist.get_rank(), first_ranks_group(pp)
-    if rank >= pp:
+    if (ranks := pipeline_ranks(pp)) is None:
         return None
+    group, rank = ranks
     rank_stages = {0: [0, 1, 4], 1: [2, 3]}
     torch.manual_seed(0)
     full = MLPChain(D_HID, 5)

@@ -11,13 +11,13 @@ from torch import nn
 M = TypeVar("M", bound=nn.Module)
 
 
-def split_layers(model: M, n_parts: int) -> list[M]:
+def cut_layers(model: M, n_parts: int) -> list[M]:
     """``n_parts`` deep copies of ``model``, each keeping a contiguous run of ``layers``
     (a ModuleDict, names unchanged); part 0 keeps the embedding, the last part the norm
     and the head."""
     n_layers = len(model.layers)
     if not 1 <= n_parts <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_parts} parts: use 1..{n_layers} parts")
+        raise ValueError(f"cannot cut {n_layers} layers into {n_parts} parts: use 1..{n_layers} parts")
     bounds = [round(i * n_layers / n_parts) for i in range(n_parts + 1)]
     parts = []
     for i in range(n_parts):

@@ -1,4 +1,6 @@
-"""A pool of gloo worker processes, spawned once per test module.
+"""A pool of gloo worker processes, spawned once per test module (the ``pool`` fixture of
+tests/conftest.py). Each worker joins its process group as every spawned rank of the package's
+tools does (:func:`titan_dualpipe.testing.spawn.join_process_group`), then runs cases until closed.
 
 ``pool.run(fn, **kwargs)`` runs ``fn(**kwargs)`` on every rank and returns the per-rank
 results; an exception on any rank, a dead worker or a call that does not finish in time fails
@@ -21,7 +23,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -31,11 +32,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from titan_dualpipe.testing.spawn import free_port, join_process_group
 
 
 def _stderr_to(path: str) -> None:
@@ -52,15 +49,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], 
             log_path: str) -> None:
     _stderr_to(log_path)
     sys.path[:0] = [p for p in paths if p not in sys.path]
-    import torch
     import torch.distributed as dist
 
-    from titan_dualpipe._compat.c10d import native_stacks_on_fatal_signal
-
-    native_stacks_on_fatal_signal()  # after faulthandler: C++ stacks first, then it adds the Python ones
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s))
+    join_process_group(rank, world, port, timeout=timedelta(seconds=pg_timeout_s))
     while (task := tasks.get()) is not None:
         module, name, kwargs = task
         try:
@@ -96,9 +87,9 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        port = _free_port()
-        tests_dir = os.path.dirname(os.path.abspath(__file__))
-        paths = [tests_dir, os.path.dirname(tests_dir)]
+        port = free_port()
+        tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/cases/dist_pool.py
+        paths = [tests_dir, os.path.dirname(tests_dir)]  # cases.* and the package importable
         self._log_dir, self._log_read = tempfile.mkdtemp(prefix="dist_pool_"), [0] * self.world
         self._procs = [
             ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results, paths,
@@ -195,6 +186,12 @@ class WorkerPool:
         shutil.rmtree(self._log_dir, ignore_errors=True)
         self._procs = []
 
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close(kill=True)  # a pool of a case's own: the case may have left its process groups broken
+
 
 def ran(results: list) -> list:
     """The results of the ranks that ran a case (the others return None); at least one."""
@@ -211,7 +208,7 @@ def one_rank_process_group():
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
     yield dist.distributed_c10d._get_default_group()
     dist.destroy_process_group()

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-import overlap_cases
-from pipeline_cases import SCHEDULES, VOCAB, batch
+from cases import overlap_cases
+from cases.pipeline_cases import SCHEDULES, VOCAB, batch
 from titan_dualpipe import placement
 from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap.moe import MoETransformer

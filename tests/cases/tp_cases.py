@@ -68,7 +68,7 @@ def tp_numerics(schedule: str, n: int, with_loss_parallel: bool, fsdp: bool = Fa
             o.zero_grad()
     if place.bidirectional:
         result["twin_parts"] = twins_identical(modules, place, pp_group)
-    result["deferred_gemms"] = sum(sched.weight_queue.ran.values())  # the last step's, DTensor weights among them
+    result["deferred_gemms"] = sum(sched.weight_policy.queue.ran.values())  # the last step's, DTensor weights among them
     result["deferred_dtensor_weights"] = sum(
         isinstance(modules[s].get_submodule(name).weight, DTensor) for s, names in sched.deferred_weights.items()
         for name in names)
