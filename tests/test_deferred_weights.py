@@ -445,6 +445,38 @@ def test_a_full_backward_computes_its_weight_gemms_while_its_exchange_flies():
     assert log[-1] == "waited"
 
 
+def test_a_segment_wise_backward_runs_the_work_in_flight_at_its_own_exchanges():
+    """``interleave(backward, forward, backwards=(0,))`` (a module's overlapped pair): each exchange the
+    backward step posts runs the work set aside, though its caller has grad mode on, and builds no
+    graph; the forward step's exchanges run none of it."""
+    from titan_dualpipe.overlap.segments import interleave
+    from titan_dualpipe.weights.in_flight import work_while_exchanges_fly
+
+    class Posted:
+        def wait(self) -> None:
+            return None
+
+    log: list[str] = []
+
+    def step(name: str, exchanges: int):
+        for i in range(exchanges):
+            log.append(f"{name} posts {i}")
+            yield Posted()
+        return name
+
+    def work() -> None:
+        log.append(f"work, grad mode {torch.is_grad_enabled()}")
+
+    with work_while_exchanges_fly(work):
+        assert interleave(step("B", 2), step("F", 2), backwards=(0,)) == ("B", "F")
+    assert log == ["B posts 0", "work, grad mode False", "F posts 0", "B posts 1", "work, grad mode False",
+                   "F posts 1"]
+    log.clear()
+    with work_while_exchanges_fly(work):
+        interleave(step("B", 1), step("F", 1))  # no step named a backward: nothing runs
+    assert log == ["B posts 0", "F posts 0"]
+
+
 def test_only_a_backwards_exchanges_run_the_work_in_flight():
     """A forward's exchange (``hand_over()``: a pair's forward half, a forward outside any pair, a
     checkpointed region's recomputation inside the backward) leaves the backward's queued GEMMs

@@ -18,6 +18,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from ..exposure.record import recorder
+from ..weights.in_flight import run_work_in_flight
 from .relay import hand_over
 
 T = TypeVar("T")
@@ -52,13 +53,16 @@ def run_to_completion(step: Step[T]) -> T:
         return done.value
 
 
-def interleave(first: Step[Any], second: Step[Any]) -> tuple[Any, Any]:
+def interleave(first: Step[Any], second: Step[Any], backwards: tuple[int, ...] = ()) -> tuple[Any, Any]:
     """Run two steps alternately, switching at every communication point.
 
     ``first`` runs until it posts its first exchange, then ``second`` runs until it posts
     one, then ``first`` resumes after waiting its handle, and so on; when one finishes,
-    the other runs on alone. Returns both results. While a benchmark records, the two steps
-    are reported as the halves of a pair (``first``: half 0; :mod:`titan_dualpipe.exposure.record`).
+    the other runs on alone. Returns both results. ``backwards``: the steps (0: ``first``) that
+    are segment-wise backwards: each exchange they post runs the work their backward set aside
+    for it (:mod:`titan_dualpipe.weights.in_flight`: queued weight GEMMs), as an autograd node's
+    exchange does. While a benchmark records, the two steps are reported as the halves of a pair
+    (``first``: half 0; :mod:`titan_dualpipe.exposure.record`).
     """
     steps = (first, second)
     pending: list[Waitable | None] = [None, None]
@@ -81,6 +85,9 @@ def interleave(first: Step[Any], second: Step[Any]) -> tuple[Any, Any]:
                 pending[turn] = steps[turn].send(None)
                 if record is not None:
                     record.switch()
+                if turn in backwards:
+                    run_work_in_flight(segment_backward=True)
+                if record is not None:
                     record.stop(turn)
             except StopIteration as done:
                 results[turn], running[turn] = done.value, False
