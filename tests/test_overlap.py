@@ -10,6 +10,7 @@ last.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import time
 import types
@@ -76,6 +77,89 @@ def test_pair_is_bitwise_equal_to_plain_autograd(checkpoint, last):
     run_to_completion(fused.backward_steps(*_backward_args(fused_out1, target, last)))
     for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), f"second microbatch: {name}"
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["no_ac", "ac"])
+def test_chunked_exchanges_are_bitwise_equal_to_whole_ones(checkpoint):
+    """``exchange_chunks`` 2 and 3 (uneven: 2 + 1 + 1 experts) against 1 on one rank: a pair's
+    output and every gradient (the pair's backward, then a plain one) bit for bit."""
+    torch.manual_seed(0)
+    part = cut_layers(MoETransformer(ARGS, activation_checkpoint=checkpoint), 2)[1]
+    (x0, x1), target = _microbatches(last=True)
+    runs = {}
+    for chunks in (1, 2, 3):
+        model = copy.deepcopy(part)
+        for block in model.layers.values():
+            block.moe.set_exchange_chunks(chunks)
+        a, b = x0.detach().requires_grad_(), x1.detach().requires_grad_()
+        out0 = model(a)
+        out1 = MoETransformer.overlapped_forward_backward(model, (b,), {}, model, [a], [lm_loss(out0, target)], None)
+        lm_loss(out1, target).backward()
+        runs[chunks] = [out0, out1, a.grad, b.grad, *(p.grad for p in model.parameters())]
+    for chunks in (2, 3):
+        for i, (want, got) in enumerate(zip(runs[1], runs[chunks], strict=True)):
+            assert torch.equal(want, got), (chunks, i)
+
+
+def test_a_chunked_pair_hands_over_at_every_chunk_exchange(monkeypatch):
+    """``exchange_chunks=2``: each half of a pair yields at each chunk's exchange (4 per block), and
+    the other half runs next every time; in the forward half, chunk 0's experts run while chunk 1's
+    dispatch flies (posted before, waited after), and chunk 1's experts while chunk 0's combine flies."""
+    from titan_dualpipe.overlap import moe as moe_module
+    from titan_dualpipe.overlap.comm import ExpertParallelComm
+
+    torch.manual_seed(0)
+    part = cut_layers(MoETransformer(dataclasses.replace(ARGS, exchange_chunks=2)), 2)[1]
+    (x0, x1), target = _microbatches(last=True)
+    out0 = part(x0)
+    log: list[tuple[str, str]] = []
+    half = {"now": ""}
+    labels: dict[int, tuple[str, str]] = {}  # a posted exchange's half and name
+    real_post, real_wait = ExpertParallelComm.post, PendingAllToAll.wait
+
+    def post(self, *args, **kwargs):
+        pending = real_post(self, *args, **kwargs)
+        labels[id(pending)] = half["now"], f"x{sum(h == half['now'] and e.startswith('post') for h, e in log)}"
+        log.append((half["now"], f"post {labels[id(pending)][1]}"))
+        return pending
+
+    def wait(self):  # the pair waits a half's exchange just before resuming it
+        if id(self) in labels:
+            owner, name = labels.pop(id(self))
+            log.append((owner, f"wait {name}"))
+        return real_wait(self)
+
+    def tagged(name, step):
+        while True:
+            half["now"] = name
+            try:
+                pending = step.send(None)
+            except StopIteration as done:
+                return done.value
+            log.append((name, "yield"))
+            yield pending
+
+    def logged_experts(block, args, kwargs):
+        if kwargs.get("segment") == "experts":
+            log.append((half["now"], f"experts {args[1]}"))
+
+    real_interleave = moe_module.interleave
+    monkeypatch.setattr(ExpertParallelComm, "post", post)
+    monkeypatch.setattr(PendingAllToAll, "wait", wait)
+    monkeypatch.setattr(moe_module, "interleave", lambda b, f, **kw: real_interleave(tagged("B", b), tagged("F", f), **kw))
+    for block in part.layers.values():
+        block.register_forward_pre_hook(logged_experts, with_kwargs=True)
+    for block in part.layers.values():
+        block.moe.comm.network = EmulatedNetwork()  # autograd-aware exchanges, at no cost
+    MoETransformer.overlapped_forward_backward(part, (x1,), {}, part, [x0], [lm_loss(out0, target)], None)
+
+    blocks = len(part.layers)
+    yields = [i for i, (_, event) in enumerate(log) if event == "yield"]
+    assert [log[i][0] for i in yields].count("F") == 4 * blocks == [log[i][0] for i in yields].count("B")
+    assert all(log[i + 1][0] != log[i][0] for i in yields[:-1]), log  # the partner runs at every yield
+    forward = [event for h, event in log if h == "F"][:14]  # the first block's forward half
+    assert forward == ["post x0", "post x1", "yield", "wait x0", "experts 0", "post x2", "yield", "wait x1",
+                       "experts 1", "post x3", "yield", "wait x2", "yield", "wait x3"], forward
 
 
 def test_boundaries_are_released_by_a_plain_backward():
@@ -199,6 +283,10 @@ def test_emulated_network_runs_a_groups_exchanges_in_order():
     (lambda: MoEArgs(dim=30, n_heads=4), "divisible by n_heads"),
     (lambda: MoEArgs(num_experts=2, top_k=3), "top_k=3 must be <= num_experts=2"),
     (lambda: MoEArgs(capacity_factor=0), "capacity_factor must be > 0"),
+    (lambda: MoEArgs(exchange_chunks=0), "exchange_chunks=0: use an int from 1 (one exchange each) to 4"),
+    (lambda: MoETransformer(dataclasses.replace(ARGS, exchange_chunks=4)).layers["0"].moe.use_expert_parallel(
+        types.SimpleNamespace(size=2, rank=0)), "exchange_chunks=4: use an int from 1 (one exchange each) to 2"),
+    (lambda: MoETransformer(ARGS).layers["0"].moe.set_exchange_chunks(5), "exchange_chunks=5: use an int from 1"),
     (lambda: EmulatedNetwork(latency_s=-1), "latency_s must be a finite number >= 0"),
     (lambda: EmulatedNetwork(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s must be > 0"),
     (lambda: cut_layers(MoETransformer(ARGS), 5), "cannot cut 4 layers into 5 parts"),
@@ -283,6 +371,25 @@ def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, sch
     results = pool.run(cases.moe_numerics, schedule=schedule, n=n, checkpoint=checkpoint, fsdp=fsdp, relay=True)
     _check_numerics(results, schedule, n, relay=True)
     assert all(r["weight_gemms_in_flight"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize("schedule,n,relay,checkpoint,fsdp", [
+    ("DualPipeV", 4, False, False, False), ("DualPipe", 4, False, True, False),
+    ("DualPipeV", 5, True, True, False), ("DualPipe", 4, True, False, False), ("DualPipeV", 4, False, False, True),
+], ids=["DualPipeV-protocol", "DualPipe-protocol-ac", "DualPipeV-relay-ac", "DualPipe-relay", "DualPipeV-protocol-fsdp2"])
+def test_chunked_exchanges_are_bitwise_equal_in_the_pipeline(pool, schedule, n, relay, checkpoint, fsdp):
+    """``exchange_chunks=2`` (a chunk per local expert) against 1, both overlapped: each matches the reference, and
+    they agree bit for bit; every exchange went as two, and relayed pairs switched halves at each of them."""
+    results = pool.run(cases.chunked_exchanges_numerics, schedule=schedule, n=n, relay=relay, checkpoint=checkpoint,
+                       fsdp=fsdp)
+    assert all(r["grad_err"] <= cases.ATOL and r["bitwise_tensors"] > 0 for r in results), results
+    twin_factor = 2 if schedule == "DualPipe" else 1
+    assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
+    assert all(r["posted"][2] == 2 * r["posted"][1] > 0 for r in results), results
+    if relay:
+        assert all(r["hand_overs"][2] > r["hand_overs"][1] > 0 and r["fused_pairs"][2] == 0 for r in results), results
+    else:
+        assert all(r["fused_pairs"][2] == r["fused_pairs"][1] > 0 for r in results), results
 
 
 @pytest.mark.parametrize("schedule,checkpoint", [("DualPipeV", True), ("DualPipe", "selective")],

@@ -9,6 +9,7 @@ model (all experts) on both shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from datetime import timedelta
 from functools import lru_cache
@@ -71,14 +72,14 @@ def _is_expert(name: str) -> bool:
 
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
-          reshard_after_forward: bool | None = None, weight_gemms_in_flight: bool = True,
+          reshard_after_forward: bool | None = None, weight_gemms_in_flight: bool = True, exchange_chunks: int = 1,
           ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
-    ``compile_backend``: the blocks of both compiled in place."""
+    ``compile_backend``: the blocks of both compiled in place; ``exchange_chunks``: both models'."""
     topo = topology(COMPILE_GROUP_TIMEOUT_S) if compile_backend else topology()  # topology() is the others' key
     place = placement(schedule, PP, n)
     torch.manual_seed(0)
-    reference = module_cls(ARGS, activation_checkpoint=checkpoint)
+    reference = module_cls(dataclasses.replace(ARGS, exchange_chunks=exchange_chunks), activation_checkpoint=checkpoint)
     n_parts = place.num_stages if schedule == "DualPipeV" else PP
     parts = cut_layers(reference, n_parts)
     comm = ExpertParallelComm(topo.ep_group)
@@ -252,6 +253,48 @@ def weight_gemms_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | 
     return result
 
 
+def chunked_exchanges_numerics(schedule: str, n: int, checkpoint: bool | str = False, fsdp: bool = False,
+                               relay: bool = False, two_batch: bool = False, steps: int = 2) -> dict:
+    """Overlapped pipelines with ``exchange_chunks=2`` and 1: each matches the reference, and they agree bit for
+    bit (losses, every gradient, two steps with Adam between); counts the exchanges each posted, the pairs the
+    module ran itself and the relays' hand-overs."""
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    module_cls = RelayedMoETransformer if relay else MoETransformer
+    runs = {chunked: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
+                           two_batch=two_batch, exchange_chunks=2 if chunked else 1) for chunked in (True, False)}
+    reference = runs[True][0]
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
+            for k, r in runs.items()}
+    result: dict[str, Any] = {"grad_err": 0.0, "bitwise_tensors": 0, "losses_checked": 0,
+                              "posted": {1: 0, 2: 0}, "fused_pairs": {1: 0, 2: 0}, "hand_overs": {1: 0, 2: 0}}
+    for step in range(steps):
+        want = _reference_losses(reference, step, n, ep_index)
+        x, y = batch(step, n, ep_index)
+        got = {}
+        for chunked, (_, modules, sched, comm) in runs.items():
+            k = 2 if chunked else 1
+            comm.stats.reset()
+            with _counting_pairs() as pairs, _counting_hand_overs() as relays:
+                losses = _step(sched, modules, place, x, y)
+            result["posted"][k] += comm.stats.posted
+            result["fused_pairs"][k] += len(pairs)
+            result["hand_overs"][k] += sum(r.hand_overs for r in relays)
+            raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+            _average_over_data_shards(modules, fsdp)
+            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, chunked, step))
+            if losses:
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+                result["losses_checked"] += len(losses)
+            got[chunked] = (losses, raw)
+        result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: exchange_chunks=2")
+        for opt in (*opts.values(), ref_opt):
+            opt.step()
+            opt.zero_grad()
+    return result
+
+
 def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, relay: bool = False,
                        steps: int = 2) -> dict:
     """Two-batch overlap on (``True``: the stages with exchanges, here all) against the reference and against the
@@ -316,9 +359,9 @@ def _counting_pairs() -> Iterator[list]:
     calls: list = []
     real = moe_module.interleave
 
-    def counted(first, second, **kwargs):
+    def counted(first, second):
         calls.append(1)
-        return real(first, second, **kwargs)
+        return real(first, second)
 
     moe_module.interleave = counted
     try:

@@ -187,9 +187,11 @@ class ExpertParallelComm:
     def rank(self) -> int:
         return 0 if self.group is None else dist.get_rank(self.group)
 
-    def post(self, x: torch.Tensor, backward: bool = False) -> PendingAllToAll:
+    def post(self, x: torch.Tensor, backward: bool = False, after: PendingAllToAll | None = None) -> PendingAllToAll:
         """Start exchanging equal slices of ``x`` along dim 0 (slice ``i`` goes to rank ``i``);
-        ``backward``: the reverse exchange of a backward (counted apart in ``stats``)."""
+        ``backward``: the reverse exchange of a backward (counted apart in ``stats``); ``after``:
+        an exchange this one queues behind on the emulated network (the chunks of one cut exchange:
+        it starts when that one has arrived, and pays its own latency)."""
         if x.shape[0] != self.size:
             raise ValueError(f"all-to-all input needs dim 0 == group size {self.size}, got shape {tuple(x.shape)}")
         self.stats.posted += 1
@@ -201,14 +203,17 @@ class ExpertParallelComm:
                 return self._post_emulated_on_gpu(x)
         # One rank keeps its data; the network's time (if any) passes all the same.
         delay = 0.0 if self.network is None else self.network.seconds(self._remote_bytes(x))
-        _record_posted(delay, None)  # exchanges fly on their own here (each its own sleep)
-        if self.group is None:
-            return PendingAllToAll(x, None, time.perf_counter() + delay, self.stats)
-        x = x.contiguous()
-        output = torch.empty_like(x)
+        if self.group is not None:
+            x = x.contiguous()
         start = time.perf_counter()
+        ready_at = max(start, after._ready_at) + delay if after is not None else start + delay
+        # Exchanges fly on their own here (each its own sleep), the chunks of one exchange one after another.
+        _record_posted(ready_at - start, None)
+        if self.group is None:
+            return PendingAllToAll(x, None, ready_at, self.stats)
+        output = torch.empty_like(x)
         work = dist.all_to_all_single(output, x, group=self.group, async_op=True)
-        return PendingAllToAll(output, work, start + delay, self.stats)
+        return PendingAllToAll(output, work, ready_at, self.stats)
 
     def _remote_bytes(self, x: torch.Tensor) -> int:
         return x.numel() * x.element_size() * (self.size - 1) // self.size
@@ -235,9 +240,10 @@ class _AllToAll(torch.autograd.Function):
     """Forward: post the exchange (the handle goes to ``box``). Backward: the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: ExpertParallelComm, box: list) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, comm: ExpertParallelComm, box: list,  # type: ignore[override]
+                after: PendingAllToAll | None) -> torch.Tensor:
         ctx.comm = comm
-        pending = comm.post(x)
+        pending = comm.post(x, after=after)
         box.append(pending)
         return pending.output
 
@@ -245,17 +251,18 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         pending = ctx.comm.post(grad.contiguous(), backward=True)
         hand_over(backward=True)
-        return pending.wait(), None, None
+        return pending.wait(), None, None, None
 
 
-def all_to_all(x: torch.Tensor, comm: ExpertParallelComm) -> PendingAllToAll:
-    """Post an autograd-aware exchange of ``x`` (shape ``[group size, ...]``); wait before reading ``output``."""
+def all_to_all(x: torch.Tensor, comm: ExpertParallelComm, after: PendingAllToAll | None = None) -> PendingAllToAll:
+    """Post an autograd-aware exchange of ``x`` (shape ``[group size, ...]``); wait before reading
+    ``output``. ``after``: as :meth:`ExpertParallelComm.post`'s."""
     if comm.group is None and comm.network is None:
         return comm.post(x)  # identity at no cost, either way: no autograd node needed
     # With a network but no group, the node still charges the backward's exchange, as the
     # segment-wise backward (which posts directly) does.
     box: list[PendingAllToAll] = []
-    output = _AllToAll.apply(x, comm, box)
+    output = _AllToAll.apply(x, comm, box, after)
     pending = box[0]
     pending.output = output  # the graph-connected tensor (same storage the exchange fills)
     return pending

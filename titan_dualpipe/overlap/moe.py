@@ -14,9 +14,9 @@ docs/overlap.md#the-ready-moe-module.
 
 from __future__ import annotations
 
-import warnings
-
+import functools
 import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..weights.install import register_expert_class
 from ..runtime.sub_batch_runner import register_exchange_rule
-from .comm import ExpertParallelComm, all_to_all
+from .comm import ExpertParallelComm, PendingAllToAll, all_to_all
 from ..cut import cut_layers
 from .segments import Root, SegmentLeaves, Step, boundary, interleave, root_of, run_to_completion, segment_backward
 
@@ -48,6 +48,9 @@ class MoEArgs:
     moe_inter_dim: int = 64
     capacity_factor: float = 1.25
     norm_eps: float = 1e-5
+    # Each block's dispatch and combine cut into this many exchanges, by local experts, pipelined
+    # with the experts' compute (docs/overlap.md#chunked-exchanges); 1: one exchange each.
+    exchange_chunks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "num_experts", "top_k", "moe_inter_dim"):
@@ -59,10 +62,18 @@ class MoEArgs:
             raise ValueError(f"MoEArgs.top_k={self.top_k} must be <= num_experts={self.num_experts}")
         if not self.capacity_factor > 0:
             raise ValueError(f"MoEArgs.capacity_factor must be > 0, got {self.capacity_factor}")
+        _check_exchange_chunks(self.exchange_chunks, self.num_experts, "num_experts")
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert for ``tokens`` tokens of one source rank."""
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
+
+
+def _check_exchange_chunks(chunks: Any, experts: int, what: str) -> None:
+    """A chunk holds whole experts, so there are at most as many chunks as (local) experts."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= experts:
+        raise ValueError(f"exchange_chunks={chunks!r}: use an int from 1 (one exchange each) to {experts} "
+                         f"({what}; a chunk holds whole experts)")
 
 
 class Attention(nn.Module):
@@ -108,9 +119,13 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.trunc_normal_(w, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[local experts, tokens, dim]``."""
-        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+    def forward(self, x: torch.Tensor, experts: slice | None = None) -> torch.Tensor:
+        """``x``: ``[local experts, tokens, dim]``; ``experts``: those of an exchange chunk (all: None).
+        Each expert's GEMMs see all its tokens whatever the chunk, so its weight gradient is one
+        GEMM, as unchunked."""
+        w1, w2, w3 = (self.w1, self.w2, self.w3) if experts is None else (self.w1[experts], self.w2[experts],
+                                                                          self.w3[experts])
+        return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
 
 
 @dataclass
@@ -131,6 +146,7 @@ class MoE(nn.Module):
         self.router = TokenChoiceTopKRouter(args)
         self.experts = GroupedExperts(args)
         self.comm = ExpertParallelComm()
+        self.exchange_chunks = args.exchange_chunks
 
     @property
     def num_local_experts(self) -> int:
@@ -143,11 +159,37 @@ class MoE(nn.Module):
             raise ValueError(f"experts are already split ({self.num_local_experts} of {e} kept): split them once")
         if e % ep:
             raise ValueError(f"num_experts={e} is not divisible by the expert-parallel size {ep}: pick a divisor")
+        _check_exchange_chunks(self.exchange_chunks, e // ep, f"the {e // ep} local experts of {e} over {ep} ranks")
         local = slice(comm.rank * (e // ep), (comm.rank + 1) * (e // ep))
         with torch.no_grad():
             for name in ("w1", "w2", "w3"):
                 setattr(self.experts, name, nn.Parameter(getattr(self.experts, name)[local].clone()))
         self.comm = comm
+
+    def set_exchange_chunks(self, chunks: int) -> None:
+        """Cut each dispatch and combine into ``chunks`` exchanges (1: whole); see :attr:`MoEArgs.exchange_chunks`."""
+        _check_exchange_chunks(chunks, self.num_local_experts, "the local experts of this rank")
+        self.exchange_chunks = chunks
+
+    def chunks(self) -> list[int | None]:
+        """Chunk indices for :meth:`run_experts` (``[None]``: one exchange, all local experts)."""
+        return [None] if self.exchange_chunks == 1 else list(range(self.exchange_chunks))
+
+    def _chunk_sizes(self) -> list[int]:
+        base, extra = divmod(self.num_local_experts, self.exchange_chunks)
+        return [base + (i < extra) for i in range(self.exchange_chunks)]
+
+    def _chunk_experts(self, chunk: int | None) -> slice | None:
+        if chunk is None:
+            return None
+        sizes = self._chunk_sizes()
+        start = sum(sizes[:chunk])
+        return slice(start, start + sizes[chunk])
+
+    def split_dispatch(self, send: torch.Tensor) -> list[torch.Tensor]:
+        """The dispatch buffer ``[ep, local experts, capacity, dim]`` cut by local experts, one piece per
+        chunk (still ``[ep, ...]``: each piece is an all-to-all of its own)."""
+        return [send] if self.exchange_chunks == 1 else list(send.split(self._chunk_sizes(), dim=1))
 
     def route(self, x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, Routing]:
         """Tokens ``[T, dim]`` (routing groups of ``group_size`` consecutive tokens: one sequence
@@ -171,15 +213,18 @@ class MoE(nn.Module):
         send = padded[token_of_slot[:-1].view(self.comm.size, self.num_local_experts, capacity)]
         return send, weights, Routing(slot, token_of_slot, capacity)
 
-    def run_experts(self, received: torch.Tensor) -> torch.Tensor:
-        """``[ep sources, local experts, capacity, dim]`` -> the same layout, ready to send back."""
+    def run_experts(self, received: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """``[ep sources, local experts, capacity, dim]`` -> the same layout, ready to send back;
+        ``chunk``: the received piece of that exchange chunk (its experts only)."""
         ep, local, capacity, dim = received.shape
         x = received.transpose(0, 1).reshape(local, ep * capacity, dim)
-        y = self.experts(x)
+        y = self.experts(x) if chunk is None else self.experts(x, self._chunk_experts(chunk))
         return y.view(local, ep, capacity, dim).transpose(0, 1).contiguous()
 
-    def combine(self, combined: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Expert outputs back at their source ``[ep, local, capacity, dim]`` -> ``[T, dim]``."""
+    def combine(self, combined: Sequence[torch.Tensor], weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Expert outputs back at their source ``[ep, local, capacity, dim]`` (in chunks, by local
+        experts) -> ``[T, dim]``."""
+        combined = combined[0] if len(combined) == 1 else torch.cat(list(combined), dim=1)
         dim = combined.shape[-1]
         rows = torch.cat([combined.reshape(-1, dim), combined.new_zeros(1, dim)])
         picked = rows.index_select(0, routing.slot).view(*weights.shape, dim)
@@ -189,17 +234,18 @@ class MoE(nn.Module):
 @dataclass
 class LayerBoundaries:
     """One block's segment boundaries for one microbatch: raw producer outputs (the
-    roots of a segment backward) and the aliases their consumers read (its captures)."""
+    roots of a segment backward) and the aliases their consumers read (its captures).
+    The exchanged ones come one per exchange chunk."""
 
     h_in: torch.Tensor  # alias of the block input
     h_attn: torch.Tensor  # residual stream after attention (raw)
     h_attn_in: torch.Tensor  # its alias read by the combine segment
     weights: torch.Tensor  # gate weights (raw)
     weights_in: torch.Tensor  # their alias read by the combine segment
-    send: Root  # dispatch buffer (its edge: only the dispatch exchange reads it, and keeps nothing)
-    received: torch.Tensor  # alias of the dispatch exchange's output
-    expert_out: Root  # experts' output (its edge, as send's)
-    combined: torch.Tensor  # alias of the combine exchange's output
+    send: list[Root]  # dispatch buffer (its edges: only the dispatch exchanges read it, and keep nothing)
+    received: list[torch.Tensor]  # aliases of the dispatch exchanges' outputs
+    expert_out: list[Root]  # experts' outputs (their edges, as send's)
+    combined: list[torch.Tensor]  # aliases of the combine exchanges' outputs
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
@@ -255,11 +301,12 @@ class TransformerBlock(nn.Module):
         send, weights, routing = self.moe.route(self.ffn_norm(h_attn).flatten(0, 1), group_size=h.shape[1])
         return h_attn, send, weights, routing
 
-    def _experts_segment(self, received: torch.Tensor) -> torch.Tensor:
-        return self._maybe_checkpoint(self.moe.run_experts, received)
+    def _experts_segment(self, received: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        run = self.moe.run_experts if chunk is None else functools.partial(self.moe.run_experts, chunk=chunk)
+        return self._maybe_checkpoint(run, received)
 
     def _combine_segment(
-        self, combined: torch.Tensor, weights: torch.Tensor, h_attn: torch.Tensor, routing: Routing
+        self, combined: list[torch.Tensor], weights: torch.Tensor, h_attn: torch.Tensor, routing: Routing
     ) -> torch.Tensor:
         return h_attn + self.moe.combine(combined, weights, routing).view_as(h_attn)
 
@@ -273,17 +320,23 @@ class TransformerBlock(nn.Module):
 
         h_in = boundary(h)
         h_attn, send, weights, routing = run("attention", h_in)
-        dispatch = all_to_all(send, self.moe.comm)
-        yield dispatch
-        received = boundary(dispatch.output)
-        expert_out = run("experts", received)
-        combine = all_to_all(expert_out, self.moe.comm)
-        yield combine
-        combined, h_attn_in, weights_in = boundary(combine.output), boundary(h_attn), boundary(weights)
+        sends, comm = self.moe.split_dispatch(send), self.moe.comm
+        # All dispatch chunks are posted at once; each chunk's experts run as soon as it arrived,
+        # while the next one flies, and send their outputs back at once.
+        dispatches = _post_chunks(sends, comm)
+        received, expert_out, combines = [], [], []
+        for chunk, dispatch in zip(self.moe.chunks(), dispatches, strict=True):
+            yield dispatch
+            received.append(boundary(dispatch.output))
+            expert_out.append(run("experts", received[-1]) if chunk is None else run("experts", received[-1], chunk))
+            combines.append(all_to_all(expert_out[-1], comm, after=combines[-1] if combines else dispatches[-1]))
+        for combine in combines:
+            yield combine
+        combined, h_attn_in, weights_in = [boundary(c.output) for c in combines], boundary(h_attn), boundary(weights)
         out = run("combine", combined, weights_in, h_attn_in, routing)
         record.append(
-            LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, root_of(send), received, root_of(expert_out),
-                            combined))
+            LayerBoundaries(h_in, h_attn, h_attn_in, weights, weights_in, [root_of(s) for s in sends], received,
+                            [root_of(e) for e in expert_out], combined))
         return out
 
     def backward_steps(
@@ -291,14 +344,36 @@ class TransformerBlock(nn.Module):
     ) -> Step[torch.Tensor | None]:
         """Backward of the block output ``out`` with gradient ``grad``, yielding at each
         reverse exchange; returns the gradient of the block input."""
-        g_combined, g_weights, g_attn = segment_backward([out], [grad], [b.combined, b.weights_in, b.h_attn_in], leaves)
-        reverse = self.moe.comm.post(_grad_or_zeros(g_combined, b.combined), backward=True)
-        yield reverse
-        (g_received,) = segment_backward([b.expert_out], [reverse.output], [b.received], leaves)
-        reverse = self.moe.comm.post(_grad_or_zeros(g_received, b.received), backward=True)
-        yield reverse
-        (g_in,) = segment_backward([b.h_attn, b.send, b.weights], [g_attn, reverse.output, g_weights], [b.h_in], leaves)
+        chunks, comm = len(b.combined), self.moe.comm
+        *g_combined, g_weights, g_attn = segment_backward([out], [grad], [*b.combined, b.weights_in, b.h_attn_in],
+                                                          leaves)
+        reverse = _post_chunks([_grad_or_zeros(g, c) for g, c in zip(g_combined, b.combined, strict=True)], comm,
+                               backward=True)
+        to_source: list[PendingAllToAll] = []
+        for i in range(chunks):
+            yield reverse[i]
+            # Every chunk reaches the same expert weights (a slice each): claimed once, by the first.
+            (g_received,) = segment_backward([b.expert_out[i]], [reverse[i].output], [b.received[i]],
+                                             leaves if i == 0 else None)
+            to_source.append(comm.post(_grad_or_zeros(g_received, b.received[i]), backward=True,
+                                       after=to_source[-1] if to_source else reverse[-1]))
+        for pending in to_source:
+            yield pending
+        (g_in,) = segment_backward([b.h_attn, *b.send, b.weights], [g_attn, *(p.output for p in to_source), g_weights],
+                                   [b.h_in], leaves)
         return g_in
+
+
+def _post_chunks(chunks: Sequence[torch.Tensor], comm: ExpertParallelComm, backward: bool = False
+                 ) -> list[PendingAllToAll]:
+    """Post the exchanges of one cut exchange, each queued behind the one before (one link: an
+    emulated network charges every chunk its latency, and no chunk flies beside another). A
+    forward's are autograd-aware; a segment backward posts its reverse exchanges directly."""
+    posted: list[PendingAllToAll] = []
+    for chunk in chunks:
+        after = posted[-1] if posted else None
+        posted.append(comm.post(chunk, backward=True, after=after) if backward else all_to_all(chunk, comm, after=after))
+    return posted
 
 
 def _grad_or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -391,7 +466,7 @@ class MoETransformer(nn.Module):
         backward = backward_module.backward_steps(backward_outputs, backward_output_grads)
         # The backward half computes about twice as much between its exchanges: starting it
         # first keeps the longer chain off the forward's compute.
-        _, output = interleave(backward, forward, backwards=(0,))
+        _, output = interleave(backward, forward)
         return output
 
     @classmethod
@@ -407,7 +482,7 @@ class MoETransformer(nn.Module):
     ) -> None:
         """Both halves' backwards, interleaved at their reverse exchanges."""
         first, second = (module.backward_steps(outputs, grads) for outputs, grads in halves)
-        interleave(first, second, backwards=(0, 1))
+        interleave(first, second)
 
 
 def _attach(output: torch.Tensor, record: StageRecord) -> None:
