@@ -359,9 +359,9 @@ def _counting_pairs() -> Iterator[list]:
     calls: list = []
     real = moe_module.interleave
 
-    def counted(first, second):
+    def counted(first, second, **kwargs):
         calls.append(1)
-        return real(first, second)
+        return real(first, second, **kwargs)
 
     moe_module.interleave = counted
     try:

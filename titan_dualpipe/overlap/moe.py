@@ -466,7 +466,7 @@ class MoETransformer(nn.Module):
         backward = backward_module.backward_steps(backward_outputs, backward_output_grads)
         # The backward half computes about twice as much between its exchanges: starting it
         # first keeps the longer chain off the forward's compute.
-        _, output = interleave(backward, forward)
+        _, output = interleave(backward, forward, backwards=(0,))
         return output
 
     @classmethod
@@ -482,7 +482,7 @@ class MoETransformer(nn.Module):
     ) -> None:
         """Both halves' backwards, interleaved at their reverse exchanges."""
         first, second = (module.backward_steps(outputs, grads) for outputs, grads in halves)
-        interleave(first, second)
+        interleave(first, second, backwards=(0, 1))
 
 
 def _attach(output: torch.Tensor, record: StageRecord) -> None:
