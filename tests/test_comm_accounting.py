@@ -120,6 +120,27 @@ def test_bench_runs_charge_the_same_exchanges(world_of_one):
         == {name: (per_step, per_step) for name in schedules}
 
 
+def test_bench_chunked_runs_charge_every_chunk(world_of_one):
+    """``--exchange-chunks 2``: the chunked runs post and charge two exchanges for each of the whole runs' one."""
+    from titan_dualpipe.bench import overlap as bench
+
+    comm = ExpertParallelComm(None, EmulatedNetwork())
+    cfg = {**BENCH_CFG, "compile": None, "exchange_chunks": 2}
+    schedules = bench._schedules(cfg, dist.distributed_c10d._get_default_group(), comm, 0)
+    names = ("overlap", "overlap_relay", *bench.chunked_names(2))
+    n, per_step = cfg["microbatches"], 2 * cfg["layers"] * cfg["microbatches"]
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 512, (2 * n, cfg["seq"]), generator=g) for _ in range(2))
+    counts = {}
+    for name in names:
+        schedules[name][0].step(x, target=y)
+        comm.stats.reset()
+        schedules[name][0].step(x, target=y)
+        counts[name] = (comm.stats.posted, comm.stats.charged_forward, comm.stats.charged_backward)
+    chunked = (4 * per_step, 2 * per_step, 2 * per_step)
+    assert counts == dict(zip(names, [(2 * per_step, per_step, per_step)] * 2 + [chunked] * 2, strict=True))
+
+
 def test_bench_reports_equal_charged_exchanges(world_of_one):
     from titan_dualpipe.bench import overlap as bench
 

@@ -308,6 +308,7 @@ def test_bad_input_raises_value_error(make, message):
     ({"layers": 3}, "--layers must be >= 4"),
     ({"experts": 5}, "--experts must be divisible by the expert-parallel size 2"),
     ({"bandwidth_gbps": 0.0}, "--bandwidth-gbps must be > 0"),
+    ({"exchange_chunks": 3}, "--exchange-chunks must be from 1 to 2"),
     ({"pp": 3, "dualpipe": True, "microbatches": 6}, "--dualpipe needs an even --pp, got 3"),
     ({"pp": 0}, "--pp must be >= 1"),
     ({"device": "cuda", "pp": 64}, "--device cuda needs one GPU per process"),

@@ -28,7 +28,7 @@ from ..exposure.record import (STEP_KEYS, ExposureRecorder, StepTrace, pair_expo
                                stop_recording)
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
 from ..cut import cut_layers
-from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel
+from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, set_exchange_chunks
 from ..testing.model import compile_blocks, lm_loss
 from ..testing.spawn import run_on_processes
 
@@ -63,6 +63,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--dualpipe", action="store_true", help="also time our ScheduleDualPipe, overlap on and off")
     p.add_argument("--compile", metavar="BACKEND", choices=("inductor", "aot_eager"), default=None,
                    help="also time the blocks torch.compile'd in place (overlap, relay, sequential)")
+    p.add_argument("--exchange-chunks", type=int, default=1, metavar="K",
+                   help="also time both overlapped runs (protocol, relay) with every dispatch and combine cut into K "
+                        "exchanges (docs/overlap.md#chunked-exchanges), paired with the whole ones; at most "
+                        "--experts / --ep")
     p.add_argument("--no-relay", dest="relay", action="store_false",
                    help="skip the overlap_relay run (the module without its protocol)")
     p.add_argument("--per-pair", action="store_true",
@@ -96,6 +100,10 @@ def _check(cfg: dict) -> None:
         raise ValueError(f"--layers must be >= {2 * pp} (one block per stage at least), got {cfg['layers']}")
     if cfg["experts"] % ep:
         raise ValueError(f"--experts must be divisible by the expert-parallel size {ep}, got {cfg['experts']}")
+    chunks, local = cfg.get("exchange_chunks", 1), cfg["experts"] // ep
+    if not 1 <= chunks <= local:
+        raise ValueError(f"--exchange-chunks must be from 1 to {local} (a chunk holds whole experts: --experts "
+                         f"{cfg['experts']} / --ep {ep} local experts), got {chunks}")
 
 
 # -- per rank -----------------------------------------------------------------------------------
@@ -188,20 +196,24 @@ class _Parts:
     device: torch.device
 
     def ready(self, module: MoETransformer, relay: bool = False,
-              compile_backend: str | None = None) -> MoETransformer:
-        """``module`` relayed (no overlap protocols) if asked, over ``comm``, on the device, compiled if asked."""
+              compile_backend: str | None = None, chunks: int = 1) -> MoETransformer:
+        """``module`` relayed (no overlap protocols) if asked, over ``comm``, its exchanges cut in ``chunks``,
+        on the device, compiled if asked."""
         if relay:
             module.__class__ = RelayedMoETransformer
         expert_parallel(module, self.comm)
+        set_exchange_chunks(module, chunks)
         module.to(self.device)
         if compile_backend:
             compile_blocks(module.layers.values(), compile_backend)
         return module
 
-    def v_modules(self, relay: bool = False, compile_backend: str | None = None) -> dict[int, MoETransformer]:
+    def v_modules(self, relay: bool = False, compile_backend: str | None = None,
+                  chunks: int = 1) -> dict[int, MoETransformer]:
         """A fresh copy of this rank's two DualPipeV parts (the same model split again), by stage."""
         parts = cut_layers(self.model, 2 * self.pp)
-        return {s: self.ready(parts[s], relay, compile_backend) for s in (self.pp_rank, 2 * self.pp - 1 - self.pp_rank)}
+        return {s: self.ready(parts[s], relay, compile_backend, chunks)
+                for s in (self.pp_rank, 2 * self.pp - 1 - self.pp_rank)}
 
     def dualpipe_modules(self, n: int) -> dict[int, MoETransformer]:
         """This rank's two DualPipe parts (a model part per direction), by stage."""
@@ -225,6 +237,8 @@ def _schedules(cfg: dict, pp_group, comm: ExpertParallelComm, pp_rank: int) -> d
     out = _v_schedules(parts, cfg["microbatches"])
     if cfg["relay"]:
         out |= _relay_schedules(parts, cfg["microbatches"])
+    if cfg.get("exchange_chunks", 1) > 1:
+        out |= _chunked_schedules(parts, cfg["microbatches"], cfg["exchange_chunks"], cfg["relay"])
     if cfg["compile"]:
         out |= _compiled_schedules(parts, cfg["microbatches"], cfg["compile"], cfg["relay"])
     if cfg["dualpipe"]:
@@ -265,6 +279,24 @@ def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
         "relay_two_batch": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
                                               overlap=True, two_batch_overlap=True), feeds),
     }
+
+
+def chunked_names(chunks: int) -> tuple[str, str]:
+    """The runs with exchanges cut in ``chunks``: through the protocol, as a relay."""
+    return f"overlap_chunks{chunks}", f"relay_chunks{chunks}"
+
+
+def _chunked_schedules(parts: _Parts, n: int, chunks: int, relay_too: bool) -> dict[str, tuple[Any, bool]]:
+    """Overlap (and as a relay) with every exchange cut in ``chunks``, each on its own copy."""
+    from .. import ScheduleDualPipeV
+
+    out = {}
+    for name, relay in zip(chunked_names(chunks), (False, True), strict=True):
+        if relay and not relay_too:
+            continue
+        stages = parts.stages(parts.v_modules(relay=relay, chunks=chunks))
+        out[name] = (ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=True), parts.pp_rank == 0)
+    return out
 
 
 def _compiled_schedules(parts: _Parts, n: int, backend: str, relay_too: bool) -> dict[str, tuple[Any, bool]]:
@@ -357,13 +389,17 @@ def _worker(cfg: dict) -> dict:
     exposed: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     charged: dict[str, list[float]] = {}  # the same every round
-    traces: dict[str, list[list[StepTrace]]] = {name: [] for name in names}  # per round, per step
+    # Per round, per step. The floor's model has one exchange in flight per half: chunked runs, which post
+    # a cut exchange's chunks at once, are recorded (the same overhead) but get no floor.
+    traces: dict[str, list[list[StepTrace]]] = {name: [] for name in names
+                                                if name not in chunked_names(cfg.get("exchange_chunks", 1))}
     try:
         for r in range(cfg["rounds"]):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                traces[name].append([])
+                kept = traces[name] if name in traces else []
+                kept.append([])
                 t, w, c, charged[name] = _timed_steps(*schedules[name], x, y, cfg["steps"], comm, modules_of(name),
-                                                      record, traces[name][-1])
+                                                      record, kept[-1])
                 step_s[name].append(t)
                 exposed[name].append(w)
                 cpu[name].append(c)
@@ -377,13 +413,13 @@ def _worker(cfg: dict) -> dict:
     exposed_mean /= dist.get_world_size()
     cpu_total = torch.tensor([statistics.median(cpu[name]) for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(cpu_total)
-    return {"step_time": {name: statistics.median(step_s[name]) for name in names},
+    return {"step_time": {name: statistics.median(step_s[name]) for name in names}, "step_rounds": step_s,
             "exposed_comm": dict(zip(names, exposed_mean.tolist(), strict=True)),
             "cpu_seconds": dict(zip(names, cpu_total.tolist(), strict=True)),
             "charged": dict(zip(names, charged_total.tolist(), strict=True)), "network": settings,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "exposure": _exposure(traces, device) if record is not None else None,
-            "pairs": {name: _per_pair(traces[name][-1][-1]) for name in names} if record is not None else None}
+            "pairs": {name: _per_pair(traces[name][-1][-1]) for name in traces} if record is not None else None}
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -408,6 +444,8 @@ def measure(cfg: dict) -> dict:
         for name in ("compiled_overlap", "compiled_relay"):
             if f"step_time_{name}" in result:
                 result[f"{name}_vs_sequential"] = result[f"step_time_{name}"] / result["step_time_compiled_sequential"]
+    if cfg.get("exchange_chunks", 1) > 1:
+        result["exchange_chunks"] = _chunked_vs_whole(raw["step_rounds"], cfg["exchange_chunks"])
     if cfg["dualpipe"]:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
                                                     / result["step_time_dualpipe_sequential"])
@@ -421,9 +459,18 @@ def measure(cfg: dict) -> dict:
     return result
 
 
+def _chunked_vs_whole(rounds: dict[str, list[float]], chunks: int) -> dict[str, list[float]]:
+    """Per overlapped run: its step time with exchanges in ``chunks`` over whole, within each round (rank 0's)."""
+    out = {}
+    for whole, chunked in zip(("overlap", "overlap_relay"), chunked_names(chunks), strict=True):
+        if chunked in rounds:
+            out[whole] = [c / w for c, w in zip(rounds[chunked], rounds[whole], strict=True)]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     keys = ("pp", "ep", "device", "rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio",
-            "latency_ms", "bandwidth_gbps", "dualpipe", "relay", "compile")
+            "latency_ms", "bandwidth_gbps", "dualpipe", "relay", "compile", "exchange_chunks")
     cfg = {k: getattr(args, k) for k in keys}
     for name, size in DEFAULT_SIZES[cfg["device"]].items():
         cfg[name] = size if cfg[name] is None else cfg[name]
@@ -453,11 +500,22 @@ def run(args: argparse.Namespace) -> int:
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     print(f"with two-batch overlap / without: step time {result['two_batch_vs_overlap']:.3f}, exposed comm "
           f"{result['exposed_comm_overlap_two_batch']:.4f} / {result['exposed_comm_overlap']:.4f} s")
+    if "exchange_chunks" in result:
+        _print_chunked(result, cfg["exchange_chunks"])
     if cfg["compile"]:
         relay = f", relay {result['compiled_relay_vs_sequential']:.3f}" if cfg["relay"] else ""
         print(f"compiled blocks ({cfg['compile']}), over compiled sequential: "
               f"overlap {result['compiled_overlap_vs_sequential']:.3f}{relay}")
     return 0
+
+
+def _print_chunked(result: dict, chunks: int) -> None:
+    """Each overlapped run with whole exchanges and cut in ``chunks``, side by side."""
+    for (whole, ratios), chunked in zip(result["exchange_chunks"].items(), chunked_names(chunks)):
+        per_round = " ".join(f"{r:.3f}" for r in ratios)
+        print(f"exchanges in {chunks} chunks / whole, {whole}: step time {result['step_time_' + chunked]:.4f} / "
+              f"{result['step_time_' + whole]:.4f} s (per round: {per_round}; median {statistics.median(ratios):.3f}), "
+              f"exposed comm {result['exposed_comm_' + chunked]:.4f} / {result['exposed_comm_' + whole]:.4f} s")
 
 
 def exposure_table(exposure: dict[str, dict[str, float]]) -> str:

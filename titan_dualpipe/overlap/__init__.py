@@ -11,7 +11,7 @@
 
 from .comm import EmulatedNetwork, ExpertParallelComm, relayed_all_to_all_single
 from ..cut import cut_layers
-from .moe import MoEArgs, MoETransformer, expert_parallel, split_parts
+from .moe import MoEArgs, MoETransformer, expert_parallel, set_exchange_chunks, split_parts
 from .sub_batches import run_forward_in_sub_batches
 from .pair import run_pair_overlapped
 from .protocol import OverlappedForwardBackward, OverlappedSubBatches, overlap_implementation
@@ -31,6 +31,7 @@ __all__ = [
     "relayed_all_to_all_single",
     "run_forward_in_sub_batches",
     "run_pair_overlapped",
+    "set_exchange_chunks",
     "split_parts",  # deprecated: cut_layers
 ]
 

@@ -207,8 +207,9 @@ class ExpertParallelComm:
             x = x.contiguous()
         start = time.perf_counter()
         ready_at = max(start, after._ready_at) + delay if after is not None else start + delay
-        # Exchanges fly on their own here (each its own sleep), the chunks of one exchange one after another.
-        _record_posted(ready_at - start, None)
+        # Exchanges fly on their own here (each its own sleep), the chunks of one exchange one after
+        # another; the recorder gets a chunk's own time, so the floor stays a lower bound.
+        _record_posted(delay, None)
         if self.group is None:
             return PendingAllToAll(x, None, ready_at, self.stats)
         output = torch.empty_like(x)

@@ -544,5 +544,15 @@ def expert_parallel(module: nn.Module, comm: ExpertParallelComm) -> None:
         moe.use_expert_parallel(comm)
 
 
+def set_exchange_chunks(module: nn.Module, chunks: int) -> None:
+    """Cut every MoE layer's dispatch and combine of ``module`` into ``chunks`` exchanges (after
+    :func:`expert_parallel`, which keeps the experts a chunk divides)."""
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    if not moes:
+        raise ValueError(f"{type(module).__name__} has no MoE layers to cut the exchanges of")
+    for moe in moes:
+        moe.set_exchange_chunks(chunks)
+
+
 def _has_expert_parallel_moe(module: nn.Module) -> bool:
     return any(isinstance(m, MoE) and m.comm.size > 1 for m in module.modules())
