@@ -254,6 +254,8 @@ def test_options_are_checked_before_anything_runs():
         weight_gradients_problem("deferred", "output")
     with pytest.raises(ValueError, match=r"not_deferred=\[3\]"):
         weight_gradients_problem("split", [3])
+    with pytest.raises(PipelineConfigError, match=r"weight_gemms_in_flight='fil': use True .*, False .* or 'fill'"):
+        ScheduleDualPipeV([], 4, weight_gemms_in_flight="fil")
 
 
 # -- expert GEMMs ---------------------------------------------------------------------------
@@ -475,6 +477,51 @@ def test_a_segment_wise_backward_runs_the_work_in_flight_at_its_own_exchanges():
     with work_while_exchanges_fly(work):
         interleave(step("B", 1), step("F", 1))  # no step named a backward: nothing runs
     assert log == ["B posts 0", "F posts 0"]
+
+
+def test_fillers_compute_only_what_fits_before_the_partners_exchange_arrives():
+    """``compute_in_flight(key, until)``: GEMMs in queue order while the last GEMM of each size says
+    the next ends before ``until``; the rest stay queued for a later exchange or the backward's end,
+    where all accumulate in queue order: gradients equal to computing all at once, bit for bit."""
+    import time
+
+    from titan_dualpipe.weights.in_flight import fill_before_wait, run_work_in_flight, work_while_exchanges_fly
+
+    layers = [nn.Linear(64, 64) for _ in range(3)]
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for fill in (False, True):
+        queue, key = WeightGradQueue(), (0, 0)
+        for layer in layers:
+            install(layer, queue)
+            layer.zero_grad(set_to_none=True)
+        with queue.deferring():
+            loss = layers[2](layers[1](layers[0](x))).square().sum()
+        with queue.collecting(key):
+            loss.backward()
+        assert queue.pending() == {key: 3}
+        if fill:
+            assert queue.compute_in_flight(key, until=time.perf_counter() - 1.0) == 0  # arrived already
+            queue._seconds[("linear", (32, 64), (32, 64))] = 30.0  # as if the last GEMM of this size took 30 s
+            assert queue.compute_in_flight(key, until=time.perf_counter() + 10.0) == 0
+            queue._seconds.clear()
+            with work_while_exchanges_fly(functools.partial(queue.compute_in_flight, key), fill=True), torch.no_grad():
+                run_work_in_flight(until=time.perf_counter() - 1.0)
+                assert queue.ran_in_flight == 0
+                fill_before_wait(None)  # arrival unknown: nothing before the wait
+                assert queue.ran_in_flight == 0
+                fill_before_wait(time.perf_counter() + 60.0)
+                assert queue.ran_in_flight == 3
+        else:
+            with work_while_exchanges_fly(functools.partial(queue.compute_in_flight, key)), torch.no_grad():
+                run_work_in_flight(until=time.perf_counter() - 1.0)  # not as fillers: every GEMM queued
+                fill_before_wait(time.perf_counter() + 60.0)  # and nothing before waits
+            assert queue.ran_in_flight == 3
+        queue.run(key, at_weight=False)
+        grads[fill] = [p.grad.clone() for layer in layers for p in layer.parameters()]
+        for layer in layers:
+            uninstall(layer)
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True], strict=True))
 
 
 def test_only_a_backwards_exchanges_run_the_work_in_flight():

@@ -405,6 +405,17 @@ def test_weight_gemms_in_flight_change_no_bit(pool, schedule, checkpoint):
     assert sum(r["losses_checked"] for r in results) > 0, results
 
 
+def test_weight_gemm_fillers_change_no_bit(pool):
+    """``weight_gemms_in_flight="fill"`` on an emulated network (arrival times known): a full
+    backward computes only the weight GEMMs that fit before the exchange awaited next arrives, the rest
+    at its end; the gradients match the reference, and computing them inline, bit for bit."""
+    results = pool.run(cases.weight_gemms_in_flight_on_and_off, schedule="DualPipeV", n=4, checkpoint=False,
+                       mode="fill", latency_s=2e-3)
+    assert all(r["bitwise_tensors"] > 0 for r in results), results
+    assert sum(r["in_flight"] for r in results) > 0, results
+    assert sum(r["losses_checked"] for r in results) > 0, results
+
+
 @pytest.mark.parametrize("schedule,relay", [("DualPipeV", True), ("DualPipe", True), ("DualPipeV", False)])
 def test_compiled_moe_blocks_overlap_at_every_exchange(pool, schedule, relay):
     """Blocks compiled in place (aot_eager): the exchanges stay outside the compiled graphs, so a

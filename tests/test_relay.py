@@ -389,3 +389,24 @@ def test_the_relays_own_bookkeeping_is_out_of_the_modes_sight():
     with Functions(), Dispatch():
         assert run_relayed(hand_over, hand_over).hand_overs == 2
     assert seen == []
+
+
+@pytest.mark.parametrize("fill", [True, False], ids=["fillers", "all"])
+def test_a_relayed_backward_fills_until_its_partners_exchange_arrives(fill):
+    """As fillers, the work a backward half set aside runs at each of its exchanges until the forward
+    half's awaited exchange arrives (its ``ready_at``); else with no limit."""
+    from titan_dualpipe.weights.in_flight import work_while_exchanges_fly
+
+    seen: list = []
+
+    def forward_half() -> None:
+        for arrival in (100.0, 200.0):  # time.perf_counter() times, as posted exchanges' arrivals
+            relay.hand_over(ready_at=arrival)
+
+    def backward_half() -> None:
+        with work_while_exchanges_fly(lambda until="all": seen.append(until), fill=fill), torch.no_grad():
+            for arrival in (300.0, 400.0):
+                relay.hand_over(backward=True, ready_at=arrival)
+
+    relay.run_relayed(forward_half, backward_half)
+    assert seen == ([100.0, 200.0] if fill else ["all", "all"])

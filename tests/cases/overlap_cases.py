@@ -27,7 +27,7 @@ from titan_dualpipe.bench.overlap import RelayedMoETransformer
 from titan_dualpipe.overlap import moe as moe_module
 from titan_dualpipe.overlap import pair as pair_module
 from titan_dualpipe.overlap import relay as relay_module
-from titan_dualpipe.overlap.comm import ExpertParallelComm
+from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm
 from titan_dualpipe.cut import cut_layers
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel
 from titan_dualpipe.testing.model import compile_blocks
@@ -213,10 +213,10 @@ def _reference_losses(reference: nn.Module, step: int, n: int, ep_index: int) ->
     return want
 
 
-def _runs_on_and_off(option: str, schedule: str, n: int, **kwargs) -> tuple[dict, torch.nn.Module, Any, dict]:
-    """The overlapped pipeline built twice, with ``option`` True and False (the other ``build``
-    arguments as given), the reference model (the first build's), and an Adam per model."""
-    runs = {on: build(schedule, n, overlap=True, **kwargs, **{option: on}) for on in (True, False)}
+def _runs_on_and_off(option: str, schedule: str, n: int, on: Any = True, **kwargs) -> tuple[dict, torch.nn.Module, Any, dict]:
+    """The overlapped pipeline built twice, with ``option`` ``on`` (key True) and False (the other
+    ``build`` arguments as given), the reference model (the first build's), and an Adam per model."""
+    runs = {k: build(schedule, n, overlap=True, **kwargs, **{option: on if k else False}) for k in (True, False)}
     reference = runs[True][0]
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = {k: torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2)
@@ -224,13 +224,19 @@ def _runs_on_and_off(option: str, schedule: str, n: int, **kwargs) -> tuple[dict
     return runs, reference, ref_opt, opts
 
 
-def weight_gemms_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, steps: int = 2) -> dict:
-    """The relayed MoE pipeline with weight GEMMs in flight and without: the reference's losses and
-    gradients, and bit for bit each other's (the same GEMMs, accumulated in the same order)."""
+def weight_gemms_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | str, steps: int = 2,
+                                      mode: bool | str = True, latency_s: float = 0.0) -> dict:
+    """The relayed MoE pipeline with weight GEMMs in flight (``mode``: True, or "fill") and without: the
+    reference's losses and gradients, and bit for bit each other's (the same GEMMs, accumulated in the
+    same order); ``latency_s``: every exchange takes that long (an emulated network: arrival times
+    known, as fillers need)."""
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
-    runs, reference, ref_opt, opts = _runs_on_and_off("weight_gemms_in_flight", schedule, n, checkpoint=checkpoint,
-                                                      fsdp=False, module_cls=RelayedMoETransformer)
+    runs, reference, ref_opt, opts = _runs_on_and_off("weight_gemms_in_flight", schedule, n, on=mode,
+                                                      checkpoint=checkpoint, fsdp=False,
+                                                      module_cls=RelayedMoETransformer)
+    for _, _, _, comm in runs.values() if latency_s else ():
+        comm.network = EmulatedNetwork(latency_s)
     result = {"grad_err": 0.0, "bitwise_tensors": 0, "in_flight": 0, "losses_checked": 0}
     for step in range(steps):
         want = _reference_losses(reference, step, n, ep_index)

@@ -210,8 +210,10 @@ def test_weight_gradient_switches_reach_the_schedule_built(field, env, names, ex
     assert built.kwargs["weight_gemms_in_flight"] is True
     monkeypatch.setenv(WEIGHT_GEMMS_IN_FLIGHT_ENV, "0")
     assert _built_with(monkeypatch).kwargs["weight_gemms_in_flight"] is False
+    monkeypatch.setenv(WEIGHT_GEMMS_IN_FLIGHT_ENV, "fill")
+    assert _built_with(monkeypatch).kwargs["weight_gemms_in_flight"] == "fill"
     monkeypatch.setenv(WEIGHT_GEMMS_IN_FLIGHT_ENV, "no")
-    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT='no': use 1 .* or 0 \(inline\)"):
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT='no': use 1 .*, fill .* or 0 \(inline\)"):
         _built_with(monkeypatch)
     monkeypatch.delenv(WEIGHT_GEMMS_IN_FLIGHT_ENV)
     monkeypatch.setenv(OLD_WEIGHTS_IN_FLIGHT_ENV, "0")  # the deprecated name still switches, and says so

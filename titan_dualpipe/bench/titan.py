@@ -46,7 +46,8 @@ class Variant:
     compiled: bool = False  # True: torchtitan compiles the model's blocks and the loss (--compile)
     two_batch: bool = False  # True: lone forwards of MoE stages run as two sub-batches (needs microbatches of >= 2 rows)
     weight_gradients: str | None = None  # our schedules' weight_gradients (None: the config's, deferred by default)
-    weight_gemms_in_flight: bool = True  # False: a full backward computes its weight GEMMs inline, not while its exchanges fly
+    # False: a full backward computes its weight GEMMs inline, not while its exchanges fly; "fill": as fillers
+    weight_gemms_in_flight: bool | str = True
 
 
 VARIANTS = (
@@ -72,16 +73,23 @@ VARIANTS = (
     # a full backward's weight GEMMs inline, before each exchange is posted (weights/in_flight.py)
     Variant("DualPipeV W inline", "DualPipeV", overlap=True, weight_gemms_in_flight=False),
     Variant("DualPipe W inline", "DualPipe", overlap=True, weight_gemms_in_flight=False),
+    # only the weight GEMMs that fit before the partner's exchange arrives (docs/weight_gradients.md#fillers)
+    Variant("DualPipeV W fill", "DualPipeV", overlap=True, weight_gemms_in_flight="fill"),
+    Variant("DualPipe W fill", "DualPipe", overlap=True, weight_gemms_in_flight="fill"),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
 DEFAULT_LABELS = [v.label for v in VARIANTS
                   if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups
-                          or not v.weight_gemms_in_flight)]
+                          or v.weight_gemms_in_flight is not True)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _in_flight_env(mode: bool | str) -> str:
+    return mode if isinstance(mode, str) else "1" if mode else "0"
 
 
 def compiled(variant: Variant) -> Variant:
@@ -98,7 +106,7 @@ OPTIONS: dict[str, dict] = {
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
-                             "'... shared count comm', '... two-batch', '... W at I' and '... W inline')"),
+                             "'... shared count comm', '... two-batch', '... W at I', '... W inline' and '... W fill')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
@@ -187,7 +195,7 @@ class Launcher:
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
                TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0",
-               WEIGHT_GEMMS_IN_FLIGHT_ENV: "1" if variant.weight_gemms_in_flight else "0"}
+               WEIGHT_GEMMS_IN_FLIGHT_ENV: _in_flight_env(variant.weight_gemms_in_flight)}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .._compat.c10d import post_all_to_all_single, wait_collective
 from ..exposure.record import recorder
+from ..weights.in_flight import fill_before_wait
 from .relay import hand_over
 
 T = TypeVar("T")
@@ -136,6 +137,12 @@ class PendingAllToAll:
         self._stats = stats
         self._gpu_done = gpu_done  # the emulated network's delay (GPU)
         self._done = False
+
+    @property
+    def ready_at(self) -> float | None:
+        """When the exchange arrives (``time.perf_counter()``) on the CPU; None on a GPU, where the
+        host cannot tell."""
+        return None if self.output.is_cuda else self._ready_at
 
     def wait(self) -> torch.Tensor:
         if self._done:
@@ -251,7 +258,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         pending = ctx.comm.post(grad.contiguous(), backward=True)
-        hand_over(backward=True)
+        hand_over(backward=True, ready_at=pending.ready_at)
+        fill_before_wait(pending.ready_at)
         return pending.wait(), None, None, None
 
 
@@ -354,7 +362,9 @@ def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes:
     ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds_for(x.shape[0]))
     if cost is not None:  # in order behind the exchanges posted before it on its communicator
         _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
-    hand_over(backward=backward)  # the partner half of a relayed pair computes while this one is in flight
+    hand_over(backward=backward, ready_at=ready_at)  # the partner half of a relayed pair computes while it flies
+    if backward:
+        fill_before_wait(ready_at)
     if cost is None:
         return wait_collective(pending)
     cost.stats.posted += 1
@@ -376,7 +386,7 @@ def count_exchange(post: Callable[[], T], group: Any, read: Callable[[T], Any], 
     if cost is not None:  # read at once unless handed over (its switch)
         _record_posted(cost.latency_s, channel_of(group))
     if hand_over_between or (cost is not None and cost.count_hand_over):
-        hand_over()
+        hand_over(ready_at=ready_at)
     if cost is None:
         return read(posted)
     return cost.stats.wait_until(ready_at, lambda: read(posted))

@@ -59,13 +59,21 @@ class Relay:
         self._rng: list[_RngStates | None] = [None, None]  # each half's parked generator states
         self._rng_at_start = _rng_states(self._accelerator)  # the backward half's stream is seeded from these
         self.record: ExposureRecorder | None = None  # a benchmark's recorder of this pair's segments
+        # when the exchange each half handed over at arrives (time.perf_counter(); None: unknown)
+        self.awaited: list[float | None] = [None, None]
 
     def _half(self) -> int:
         return FORWARD if threading.get_ident() == self._forward_thread else BACKWARD
 
-    def hand_over(self) -> None:
+    def partner_arrival(self) -> float | None:
+        """When the exchange the partner half waits on arrives (None: unknown, or no partner waits)."""
+        other = 1 - self._half()
+        return None if self._ended[other] or not self.backward_started else self.awaited[other]
+
+    def hand_over(self, ready_at: float | None = None) -> None:
         me = self._half()
         other = 1 - me
+        self.awaited[me] = ready_at
         with self._cond:
             self._raise_if_partner_failed(me)
             if self._ended[other]:
@@ -80,6 +88,7 @@ class Relay:
             self.hand_overs += 1
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == me)
+            self.awaited[me] = None
             if self.record is not None:
                 self.record.run(me)
             self._raise_if_partner_failed(me)
@@ -139,21 +148,22 @@ def _pair_over() -> None:
     raise RuntimeError("this relayed pair has ended: its backward half cannot start")
 
 
-def hand_over(*, backward: bool = False) -> None:
+def hand_over(*, backward: bool = False, ready_at: float | None = None) -> None:
     """Let the partner half of the running pair compute (call right after posting an
     exchange, before waiting on it); does nothing outside a pair. ``backward``: the exchange is
     a backward's (posted by an autograd node's backward): first the work that backward set aside
     for its exchanges' flight runs (:mod:`titan_dualpipe.weights.in_flight`: its queued weight
-    GEMMs). A forward's exchange never runs it, also when a checkpointed region's recomputation
-    posts it inside a backward."""
+    GEMMs; as fillers, what fits before the partner's exchange arrives). A forward's exchange
+    never runs it, also when a checkpointed region's recomputation posts it inside a backward.
+    ``ready_at``: when the exchange arrives (``time.perf_counter()``), where known."""
     record = recorder()
     if record is not None:
         record.switch()  # the exchange just posted is one the partner may compute behind
-    if backward:
-        run_work_in_flight()
     relay = _active
+    if backward:
+        run_work_in_flight(until=relay.partner_arrival() if relay is not None else None)
     if relay is not None:
-        relay.hand_over()
+        relay.hand_over(ready_at)
 
 
 def running_half() -> str | None:

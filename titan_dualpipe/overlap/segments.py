@@ -18,7 +18,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from ..exposure.record import recorder
-from ..weights.in_flight import run_work_in_flight
+from ..weights.in_flight import fill_before_wait, run_work_in_flight
 from .relay import hand_over
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ def run_to_completion(step: Step[T]) -> T:
     try:
         pending = next(step)
         while True:
-            hand_over()
+            hand_over(ready_at=getattr(pending, "ready_at", None))
             pending.wait()
             pending = step.send(None)
     except StopIteration as done:
@@ -79,14 +79,17 @@ def interleave(first: Step[Any], second: Step[Any], backwards: tuple[int, ...] =
             if record is not None:
                 record.run(turn)
             if pending[turn] is not None:
+                if turn in backwards:
+                    fill_before_wait(getattr(pending[turn], "ready_at", None), segment_backward=True)
                 pending[turn].wait()  # type: ignore[union-attr]
                 pending[turn] = None
             try:
                 pending[turn] = steps[turn].send(None)
                 if record is not None:
                     record.switch()
-                if turn in backwards:
-                    run_work_in_flight(segment_backward=True)
+                if turn in backwards:  # as fillers: what fits before the partner's exchange arrives
+                    partner = pending[1 - turn] if running[1 - turn] else None
+                    run_work_in_flight(until=getattr(partner, "ready_at", None), segment_backward=True)
                 if record is not None:
                     record.stop(turn)
             except StopIteration as done:

@@ -46,6 +46,7 @@ from .p2p import local_tensor, swap, with_layout_of
 from .sub_batch_runner import SubBatchRunner, has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .view import ScheduleView, StepOptions, TorchStepState
+from ..weights.in_flight import in_flight_mode_problem
 from ..weights.policy import WeightGradients, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, grads_before_step, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, data_parallel_problem, microbatch_signature,
@@ -110,7 +111,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     - ``weight_gemms_in_flight`` (default True): a full backward (``B``, a pair's backward) of a
       deferring stage that posts expert-parallel exchanges queues its weight GEMMs too, and each
       exchange it posts runs those queued so far while it travels
-      (:mod:`titan_dualpipe.weights.in_flight`); False computes them inline. Same gradients.
+      (:mod:`titan_dualpipe.weights.in_flight`); False computes them inline; ``"fill"`` computes
+      only what fits before the exchange the pair waits on next arrives (fillers, where arrival
+      times are known: the CPU's emulated exchanges). Same gradients.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -145,10 +148,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         two_batch_overlap: bool | str = False,
         weight_gradients: str = "deferred",
         not_deferred: Sequence[str] = (),
-        weight_gemms_in_flight: bool = True,
+        weight_gemms_in_flight: bool | str = True,
         record_timeline: bool = False,
     ) -> None:
         weight_gradients_problem(weight_gradients, not_deferred)
+        if in_flight_mode_problem(weight_gemms_in_flight):
+            raise PipelineConfigError(in_flight_mode_problem(weight_gemms_in_flight))
         pp = stages[0].group_size if isinstance(stages, (list, tuple)) and stages else 1
         problem = runtime_options_problem(self.schedule_name, pp, max_active_stages, unshard_lookahead,
                                           defer_reduce_grad_wait, max_outstanding_sends)
@@ -213,7 +218,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
 
-    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], in_flight: bool) -> None:
+    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], in_flight: bool | str) -> None:
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
         modules = self._stage_modules()
         exchanges = {s for s, module in modules.items() if has_exchanges(module)}

@@ -200,7 +200,7 @@ def weight_gradient_options() -> dict[str, Any]:
     ``--dualpipe.weight-gradients``, ``--dualpipe.not-deferred``; 0.2.2: the defaults), with
     ``TITAN_DUALPIPE_WEIGHT_GRADIENTS`` taking precedence and ``TITAN_DUALPIPE_NOT_DEFERRED``
     (comma-separated) adding names; ``TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT=0`` sets
-    ``weight_gemms_in_flight=False``."""
+    ``weight_gemms_in_flight=False``, ``=fill`` sets ``"fill"``."""
     from ..weights.policy import WEIGHT_GRADIENT_MODES
 
     mode = os.environ.get(WEIGHT_GRADIENTS_ENV, "") or ACTIVE.weight_gradients
@@ -214,11 +214,12 @@ def weight_gradient_options() -> dict[str, Any]:
                       stacklevel=2)
         name = OLD_WEIGHTS_IN_FLIGHT_ENV
     in_flight = os.environ.get(name, "") or "1"
-    if in_flight not in ("0", "1"):
+    if in_flight not in ("0", "1", "fill"):
         raise ValueError(f"{name}={in_flight!r}: use 1 (a full backward's weight GEMMs run while "
-                         "its exchanges fly, the default) or 0 (inline)")
+                         "its exchanges fly, the default), fill (only those that fit before the awaited exchange "
+                         "arrives) or 0 (inline)")
     return {"weight_gradients": mode, "not_deferred": [*ACTIVE.not_deferred, *extra],
-            "weight_gemms_in_flight": in_flight == "1"}
+            "weight_gemms_in_flight": {"0": False, "1": True}.get(in_flight, in_flight)}
 
 
 def _weight_gradients_note(schedule: Any) -> str:

@@ -15,6 +15,7 @@ Which stages and microbatches run whole: docs/activation_checkpointing.md#how-it
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -76,11 +77,13 @@ class BackwardPlan:
     """One step's answers to "how does this backward run", and what each answer leaves for ``W``.
 
     ``deferring``: the (stage, microbatch) whose forward builds deferrable weight GEMMs
-    (:meth:`~.policy.WeightGradients.deferring_microbatches`). ``queue``: the schedule's."""
+    (:meth:`~.policy.WeightGradients.deferring_microbatches`). ``queue``: the schedule's. ``fills``:
+    a collected backward's GEMMs run in flight as fillers (:mod:`.in_flight`)."""
 
     def __init__(self, mode: str, static_whole: frozenset[int], deferred_stages: frozenset[int],
-                 deferring: set[Key], queue: WeightGradQueue) -> None:
+                 deferring: set[Key], queue: WeightGradQueue, fills: bool = False) -> None:
         self.mode = mode
+        self.fills = fills
         self.static_whole = static_whole
         self.deferred_stages = deferred_stages
         self.deferring = deferring
@@ -155,6 +158,7 @@ class BackwardPlan:
         autograd together at its end in the order queued: the gradients do not depend on which ran in
         flight, and each weight's accumulation (its hooks) runs once, as under one plain backward,
         also when the microbatch backpropagates as two sub-batches."""
-        with self.queue.collecting(key), work_while_exchanges_fly(lambda: self.queue.compute_in_flight(key)):
+        work = functools.partial(self.queue.compute_in_flight, key)
+        with self.queue.collecting(key), work_while_exchanges_fly(work, fill=self.fills):
             backward()
         self.queue.run(key, at_weight=False)

@@ -39,14 +39,16 @@ class WeightGradients:
 
     - ``deferred_weights``: by deferring stage, the modules whose weight GEMMs wait for ``W``;
     - ``in_flight_stages``: deferring stages that post expert-parallel exchanges (``exchanges``),
-      whose full backwards compute their GEMMs while those fly (``in_flight``);
+      whose full backwards compute their GEMMs while those fly (``in_flight``: True, or ``"fill"``
+      as fillers, :mod:`.in_flight`);
     - ``whole_stages``: stages a static rule keeps whole at ``I`` (compiled blocks) and that do
       not defer.
     """
 
-    def __init__(self, mode: str, not_deferred: Sequence[str], in_flight: bool, modules: dict[int, torch.nn.Module],
-                 exchanges: Collection[int]) -> None:
+    def __init__(self, mode: str, not_deferred: Sequence[str], in_flight: bool | str,
+                 modules: dict[int, torch.nn.Module], exchanges: Collection[int]) -> None:
         self.mode = mode
+        self.fills = in_flight == "fill"
         self.not_deferred = list(not_deferred)
         self.compiled = mode == "deferred_compiled"
         self.queue = WeightGradQueue()
@@ -88,7 +90,7 @@ class WeightGradients:
         """A fresh plan for one step of this rank's ``actions``."""
         self.queue.clear()  # nothing a failed step queued
         deferring = self.deferring_microbatches(actions, place, custom, two_batch) if training else set()
-        return BackwardPlan(self.mode, self.whole_stages, self.deferred_stages, deferring, self.queue)
+        return BackwardPlan(self.mode, self.whole_stages, self.deferred_stages, deferring, self.queue, self.fills)
 
     def deferring_microbatches(self, actions: list[_Action], place: Placement, custom: Collection[Any],
                                two_batch: set[Key]) -> set[Key]:

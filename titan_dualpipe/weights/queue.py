@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 import weakref
 from collections import Counter
 from typing import Any, Callable, Iterator, Union
@@ -37,6 +38,7 @@ class _Deferred:
     gemm: Callable[[], torch.Tensor] | None
     kind: str
     handle: Any  # a memory meter's hold on the GEMM's operands, dropped with them
+    size: tuple = ()  # its kind and operand shapes: GEMMs of one size cost alike
     grad: torch.Tensor | None = None
 
     def compute(self) -> None:
@@ -66,6 +68,7 @@ class WeightGradQueue:
         self.ran_kinds: Counter[str] = Counter()  # ... by kind ("linear", "experts")
         self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
         self.ran_in_flight = 0  # full backwards' weight GEMMs computed while their exchanges flew, this step
+        self._seconds: dict[tuple, float] = {}  # the last time a GEMM of each size took to compute in flight
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> "WeightGradQueue":
@@ -74,7 +77,7 @@ class WeightGradQueue:
     def __getstate__(self) -> dict:
         return {"target": None, "defers_forwards": False, "_pending": {}, "_casts": {}, "_anchors": {},
                 "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(), "ran_in_flight": 0,
-                "on_hold": None}
+                "_seconds": {}, "on_hold": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -112,19 +115,28 @@ class WeightGradQueue:
         if key is None:
             return False
         handle = self.on_hold(holds) if self.on_hold is not None else None
+        size = (kind, *(tuple(t.shape) for t in holds))
         with self._lock:
-            self._pending.setdefault(key, []).append(_Deferred(root, gemm, kind, handle))
+            self._pending.setdefault(key, []).append(_Deferred(root, gemm, kind, handle, size))
         return True
 
-    def compute_in_flight(self, key: Key) -> int:
+    def compute_in_flight(self, key: Key, until: float | None = None) -> int:
         """Compute ``key``'s queued GEMMs now (a full backward's, while its exchanges fly); :meth:`run`
-        gives them to autograd with the rest, in the order they were queued. How many ran."""
+        gives them to autograd with the rest, in the order they were queued. ``until`` (a
+        ``time.perf_counter()`` time): as fillers, in queue order, stopping at the first that the last
+        GEMM of its size says would end after it. How many ran."""
         with self._lock:
             waiting = [d for d in self._pending.get(key, []) if d.gemm is not None]
+        ran = 0
         for deferred in waiting:
+            start = time.perf_counter()
+            if until is not None and start + self._seconds.get(deferred.size, 0.0) > until:
+                break
             deferred.compute()
-        self.ran_in_flight += len(waiting)
-        return len(waiting)
+            self._seconds[deferred.size] = time.perf_counter() - start
+            ran += 1
+        self.ran_in_flight += ran
+        return ran
 
     def run(self, key: Key, at_weight: bool = True) -> int:
         """Compute ``key``'s queued GEMMs and accumulate them (its ``W``; ``at_weight=False``: the end of
