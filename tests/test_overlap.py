@@ -374,15 +374,19 @@ def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, sch
     assert all(r["weight_gemms_in_flight"] > 0 for r in results), results
 
 
-@pytest.mark.parametrize("schedule,n,relay,checkpoint,fsdp", [
-    ("DualPipeV", 4, False, False, False), ("DualPipe", 4, False, True, False),
-    ("DualPipeV", 5, True, True, False), ("DualPipe", 4, True, False, False), ("DualPipeV", 4, False, False, True),
-], ids=["DualPipeV-protocol", "DualPipe-protocol-ac", "DualPipeV-relay-ac", "DualPipe-relay", "DualPipeV-protocol-fsdp2"])
-def test_chunked_exchanges_are_bitwise_equal_in_the_pipeline(pool, schedule, n, relay, checkpoint, fsdp):
-    """``exchange_chunks=2`` (a chunk per local expert) against 1, both overlapped: each matches the reference, and
-    they agree bit for bit; every exchange went as two, and relayed pairs switched halves at each of them."""
+@pytest.mark.parametrize("schedule,n,relay,checkpoint,fsdp,two_batch", [
+    ("DualPipeV", 4, False, False, False, False), ("DualPipe", 4, False, True, False, False),
+    ("DualPipeV", 5, True, True, False, False), ("DualPipe", 4, True, False, False, False),
+    ("DualPipeV", 4, False, False, True, False), ("DualPipeV", 4, False, False, False, True),
+    ("DualPipeV", 4, True, False, False, True),
+], ids=["DualPipeV-protocol", "DualPipe-protocol-ac", "DualPipeV-relay-ac", "DualPipe-relay", "DualPipeV-protocol-fsdp2",
+        "DualPipeV-protocol-two_batch", "DualPipeV-relay-two_batch"])
+def test_chunked_exchanges_are_bitwise_equal_in_the_pipeline(pool, schedule, n, relay, checkpoint, fsdp, two_batch):
+    """``exchange_chunks=2`` (a chunk per local expert) against 1, both overlapped (and with two-batch overlap):
+    each matches the reference, and they agree bit for bit; every exchange went as two, and relayed pairs switched
+    halves at each of them."""
     results = pool.run(cases.chunked_exchanges_numerics, schedule=schedule, n=n, relay=relay, checkpoint=checkpoint,
-                       fsdp=fsdp)
+                       fsdp=fsdp, two_batch=two_batch)
     assert all(r["grad_err"] <= cases.ATOL and r["bitwise_tensors"] > 0 for r in results), results
     twin_factor = 2 if schedule == "DualPipe" else 1
     assert sum(r["losses_checked"] for r in results) == cases.EP * twin_factor * 2 * 2 * n
