@@ -19,7 +19,7 @@ import torch.distributed as dist
 from cases.dist_pool import one_rank_process_group
 from titan_dualpipe.overlap.comm import (CommStats, EmulatedNetwork, ExpertParallelComm, PendingAllToAll,
                                          RelayedExchangeCost, all_to_all)
-from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel
+from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel, set_exchange_chunks
 from titan_dualpipe.overlap.segments import run_to_completion
 from titan_dualpipe.testing.model import lm_loss
 
@@ -203,11 +203,14 @@ def test_gpu_waits_are_timed_when_a_benchmark_asks(fake_gpu):
     assert stats.gpu_stalls == []
 
 
-def test_a_forward_keeps_no_dispatch_buffer_or_expert_output_alive(world_of_one):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_forward_keeps_no_dispatch_buffer_or_expert_output_alive(world_of_one, chunks):
     """Between a microbatch's forward and its backward, only what autograd saves stays: the
     boundaries kept for a segment-wise backward hold the dispatch buffer and the experts' output
-    as graph edges, whose memory nothing else needs (the exchanges read them and keep nothing)."""
+    as graph edges, whose memory nothing else needs (the exchanges read them and keep nothing);
+    so do their chunks when the exchanges are cut."""
     model = _model(ExpertParallelComm(dist.group.WORLD))
+    set_exchange_chunks(model, chunks)
     produced: dict[str, list] = {"attention": [], "experts": []}
 
     def keep_refs(module, args, kwargs, output):
