@@ -198,7 +198,8 @@ class ExpertParallelComm:
         """Start exchanging equal slices of ``x`` along dim 0 (slice ``i`` goes to rank ``i``);
         ``backward``: the reverse exchange of a backward (counted apart in ``stats``); ``after``:
         an exchange this one queues behind on the emulated network (the chunks of one cut exchange:
-        it starts when that one has arrived, and pays its own latency)."""
+        it starts when that one has arrived, and pays its own latency; on a GPU every delay queues
+        on one side stream anyway)."""
         if x.shape[0] != self.size:
             raise ValueError(f"all-to-all input needs dim 0 == group size {self.size}, got shape {tuple(x.shape)}")
         self.stats.posted += 1

@@ -328,7 +328,7 @@ class TransformerBlock(nn.Module):
         for chunk, dispatch in zip(self.moe.chunks(), dispatches, strict=True):
             yield dispatch
             received.append(boundary(dispatch.output))
-            expert_out.append(run("experts", received[-1]) if chunk is None else run("experts", received[-1], chunk))
+            expert_out.append(run("experts", received[-1], chunk))
             combines.append(all_to_all(expert_out[-1], comm, after=combines[-1] if combines else dispatches[-1]))
         for combine in combines:
             yield combine
