@@ -21,6 +21,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from .._compat.autograd import inside_backward
 
 Key = tuple[int, int]  # (stage index, microbatch)
+ACCUMULATE_BYTES = 64 << 20  # most weight-gradient bytes a W hands to autograd in one call
 Root = Union[torch.Tensor, GradientEdge]  # where a weight gradient enters autograd: a parameter, or an operand's edge
 
 
@@ -147,13 +148,21 @@ class WeightGradQueue:
             self.ran_kinds.update(d.kind for d in deferred)
             self.ran[key[0]] += len(deferred)
             self.ran_microbatches[key] += len(deferred)
-        # one parameter at a time: its hooks run once, on its whole gradient, and no more than one
-        # parameter's results are alive at once (a stage's weights' worth would be)
+        # whole parameters per autograd call, each accumulated once (its hooks run once, on its whole
+        # gradient), up to ACCUMULATE_BYTES of results alive at a time (a stage's weights' worth
+        # could be large): a call per parameter costs more than the GEMMs of a small one
+        batch: list[_Deferred] = []
+        held = 0
         for group in _by_parameter(deferred):
             for d in group:
                 d.compute()
-            accumulate([(d.root, d.grad) for d in group])
-            group.clear()  # its results go with the entries
+                held += d.grad.numel() * d.grad.element_size() if d.grad is not None else 0
+            batch += group
+            if held >= ACCUMULATE_BYTES:
+                accumulate([(d.root, d.grad) for d in batch])
+                batch, held = [], 0  # their results go with the entries
+        if batch:
+            accumulate([(d.root, d.grad) for d in batch])
         return len(deferred)
 
     def pending(self) -> dict[Key, int]:
