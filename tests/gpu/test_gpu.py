@@ -151,10 +151,10 @@ class _OneRankExchanges(ExpertParallelComm):
 
     posts: list = field(default_factory=list)
 
-    def post(self, x: torch.Tensor, backward: bool = False) -> PendingAllToAll:
+    def post(self, x: torch.Tensor, backward: bool = False, after: PendingAllToAll | None = None) -> PendingAllToAll:
         if not x.is_meta:
             self.posts.append((x.shape[2], backward))
-        return super().post(x, backward)
+        return super().post(x, backward, after)
 
 
 def _emulated_on_one_rank(module: nn.Module) -> bool:
