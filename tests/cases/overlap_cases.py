@@ -177,13 +177,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             result["deferred_expert_gemms"] += sched.weight_policy.queue.ran_kinds["experts"]
             result["deferred_linear_gemms"] += sched.weight_policy.queue.ran_kinds["linear"]
             result["weight_gemms_in_flight"] += sched.weight_policy.queue.ran_in_flight if overlap else 0
-            raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
-            _average_over_data_shards(modules, fsdp)
-            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, overlap, step))
-            if losses:
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
-                result["losses_checked"] += len(losses)
-            got[overlap] = (losses, raw)
+            got[overlap] = _checked_against_reference(modules, reference, losses, want, fsdp, overlap, step, result)
         result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: overlap")
         for opt in (*opts.values(), ref_opt):
             opt.step()
@@ -191,6 +185,20 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
     if compile_backend:
         result["compiled_frames"] = counters["frames"]["ok"]
     return result
+
+
+def _checked_against_reference(modules: dict[int, nn.Module], reference: nn.Module, losses: list[float],
+                               want: list[float], fsdp: bool, label: Any, step: int,
+                               result: dict) -> tuple[list[float], list[torch.Tensor]]:
+    """A step's losses and every gradient (averaged over the data shards) against the reference's,
+    noted in ``result``; returns the losses and the raw gradients, for a bitwise comparison."""
+    raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
+    _average_over_data_shards(modules, fsdp)
+    result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, label, step))
+    if losses:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+        result["losses_checked"] += len(losses)
+    return losses, raw
 
 
 def _bitwise_equal(got: dict[bool, tuple[list[float], list[torch.Tensor]]], label: str) -> int:
@@ -244,14 +252,8 @@ def weight_gemms_in_flight_on_and_off(schedule: str, n: int, checkpoint: bool | 
         got = {}
         for flying, (_, modules, sched, _) in runs.items():
             losses = _step(sched, modules, place, x, y)
-            raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
-            _average_over_data_shards(modules, fsdp=False)
-            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, flying, step))
-            if losses:
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
-                result["losses_checked"] += len(losses)
+            got[flying] = _checked_against_reference(modules, reference, losses, want, False, flying, step, result)
             result["in_flight"] += sched.weight_policy.queue.ran_in_flight if flying else 0
-            got[flying] = (losses, raw)
         result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: weight GEMMs in flight")
         for opt in (*opts.values(), ref_opt):
             opt.step()
@@ -287,13 +289,7 @@ def chunked_exchanges_numerics(schedule: str, n: int, checkpoint: bool | str = F
             result["posted"][k] += comm.stats.posted
             result["fused_pairs"][k] += len(pairs)
             result["hand_overs"][k] += sum(r.hand_overs for r in relays)
-            raw = [_full(p.grad).clone() for mod in modules.values() for p in mod.parameters()]
-            _average_over_data_shards(modules, fsdp)
-            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, chunked, step))
-            if losses:
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
-                result["losses_checked"] += len(losses)
-            got[chunked] = (losses, raw)
+            got[chunked] = _checked_against_reference(modules, reference, losses, want, fsdp, chunked, step, result)
         result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: exchange_chunks=2")
         for opt in (*opts.values(), ref_opt):
             opt.step()
