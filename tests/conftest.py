@@ -6,9 +6,15 @@ pipelining, autograd, FSDP2, DTensor, compile and dispatch internals, which ``_c
 What is marked here computes with our own code only (orders, the simulator, the NCCL-order
 model's logic, command-line parsing, reports, docs, the test pool), or repeats on more ranks a
 mechanism that an unmarked test already runs on every torch (named below with its twin).
+
+The tests' models are tiny: :func:`pytest_configure` has every weight GEMM deferred
+(``TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS=0``, inherited by every spawned rank), so each test runs
+the mechanism it names; tests/test_deferred_weights.py checks the device default itself.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -74,6 +80,12 @@ AGNOSTIC_IDS = {
     "test_profile.py::test_profile_measures_activation_memory_as_the_simulator_predicts[DualPipe-2-8]",
     "test_profile.py::test_profile_measures_activation_memory_as_the_simulator_predicts[DualPipeV-4-8]",
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from titan_dualpipe.switches import MIN_FLOPS_ENV
+
+    os.environ.setdefault(MIN_FLOPS_ENV, "0")
 
 
 @pytest.fixture(scope="module")

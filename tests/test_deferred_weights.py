@@ -318,6 +318,106 @@ def test_expert_weight_gemms_wait_for_w(make, ac):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+# -- small GEMMs ----------------------------------------------------------------------------
+
+def _deferred_after_input(model: nn.Module, queue: WeightGradQueue, *inputs: torch.Tensor) -> dict[str, bool]:
+    """By parameter: whether its gradient waited for W (None after a deferring forward's I); then
+    runs the W. ``inputs``: one call of ``model`` each, the outputs summed."""
+    with queue.deferring():
+        loss = sum(model(x).square().sum() for x in inputs)
+    with queue.collecting((0, 0)):
+        loss.backward()
+    waited = {name: p.grad is None for name, p in model.named_parameters() if name.endswith("weight")}
+    queue.run((0, 0))
+    return waited
+
+
+def _plain_grads(model: nn.Module, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    sum(model(x).square().sum() for x in inputs).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_weight_gemms_under_the_least_flops_stay_with_autograd():
+    """The CPU's default (8 MFLOP): a 64-token 256x256 layer's weight GEMM (8.4 MFLOP) waits for W,
+    a 256x8 layer's (0.26 MFLOP) is computed by autograd at I; ``min_flops=0`` defers both, a
+    larger least neither. The gradients equal autograd's bit for bit every time."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))
+
+    want = _plain_grads(make(), x)
+    for least, waits in [(None, {"0.weight": True, "1.weight": False}), (0, {"0.weight": True, "1.weight": True}),
+                         (10**8, {"0.weight": False, "1.weight": False})]:
+        model, queue = make(), WeightGradQueue(least)
+        install(model, queue)
+        assert _deferred_after_input(model, queue, x) == waits, least
+        assert sum(queue.ran.values()) == sum(waits.values()), least
+        for name, p in model.named_parameters():
+            assert torch.equal(p.grad, want[name]), (least, name)
+
+
+def test_a_weight_defers_every_gemm_of_a_step_or_none():
+    """A layer called on 64 tokens and then on 1: its first call of the step decides for both
+    (deferred, the small call too), so its accumulation runs once per backward, one post-accumulate
+    hook call; the next step decides again (the 1-token call first: neither defers)."""
+    torch.manual_seed(0)
+    layer, queue = nn.Linear(256, 256), WeightGradQueue(None)
+    big, small = torch.randn(64, 256), torch.randn(1, 256)
+    calls = []
+    layer.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    install(layer, queue)
+    assert _deferred_after_input(layer, queue, big, small) == {"weight": True}
+    assert queue.ran == {0: 2} and len(calls) == 1
+    queue.clear()
+    layer.zero_grad(set_to_none=True)
+    assert _deferred_after_input(layer, queue, small, big) == {"weight": False}
+    assert sum(queue.ran.values()) == 0 and len(calls) == 2
+    torch.testing.assert_close(calls[0], calls[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [_titan_experts, _moe_experts], ids=["torchtitan", "ours"])
+def test_small_expert_gemms_stay_with_autograd(make):
+    """Expert GEMMs of 12 tokens on 16x32 experts (a few KFLOP) under the CPU's default: nothing
+    queued, the weight gradients computed at I, equal to autograd's."""
+    from titan_dualpipe.weights import register_expert_class
+
+    reference, call = make()
+    deferred, _ = make()
+    register_expert_class(type(reference))
+    queue = WeightGradQueue(None)
+    install(deferred, queue)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
+    call(reference, x).square().sum().backward()
+    with queue.deferring():
+        out = call(deferred, x)
+    with queue.collecting((0, 0)):
+        out.square().sum().backward()
+    assert not queue.pending() and all(p.grad is not None for p in deferred.parameters())
+    for (name, p), q in zip(deferred.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_the_least_flops_option_and_its_environment_are_checked(monkeypatch):
+    """A bad ``min_weight_gemm_flops`` or ``TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS`` raises a
+    PipelineConfigError naming the value and the fix, before the schedule looks at its stages; the
+    option wins over the environment, which wins over the device's default."""
+    from titan_dualpipe.switches import MIN_FLOPS_ENV
+    from titan_dualpipe.weights.policy import min_flops_option
+
+    for bad in (-1, 1.5, True, "8M"):
+        with pytest.raises(PipelineConfigError, match=rf"min_weight_gemm_flops={bad!r}: pass a count of FLOPs >= 0"):
+            ScheduleDualPipeV([], 4, min_weight_gemm_flops=bad)
+    monkeypatch.setenv(MIN_FLOPS_ENV, "8M")
+    with pytest.raises(PipelineConfigError, match=rf"{MIN_FLOPS_ENV}='8M': set a count of FLOPs >= 0"):
+        ScheduleDualPipeV([], 4)
+    monkeypatch.setenv(MIN_FLOPS_ENV, "1000")
+    assert min_flops_option(None) == 1000 and min_flops_option(0) == 0
+    monkeypatch.delenv(MIN_FLOPS_ENV)
+    assert min_flops_option(None) is None
+
+
 def test_installed_modules_copy_and_keep_their_state_dict():
     """A stage module with deferred GEMMs installed deep-copies (the copy defers into the same queue
     until installed again) and keeps its parameter names."""

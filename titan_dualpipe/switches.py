@@ -9,6 +9,7 @@ FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exc
 TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
 WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "deferred_compiled", "split" or "whole"
 NOT_DEFERRED_ENV = "TITAN_DUALPIPE_NOT_DEFERRED"  # comma-separated module names / fnmatch patterns kept out of deferral
+MIN_FLOPS_ENV = "TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS"  # least FLOPs of a deferred weight GEMM where a schedule names none ("0": all; unset: the device's default)
 COUNT_GROUPS_ENV = "TITAN_DUALPIPE_COUNT_GROUPS"  # "0": token counts on the expert-parallel group's communicator; unset or "1": their own
 WEIGHT_GEMMS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT"  # "0": a full backward computes its weight GEMMs inline; unset or "1": while its exchanges fly; "fill": as fillers
 OLD_WEIGHTS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT"  # the same, under its deprecated name

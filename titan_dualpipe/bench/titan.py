@@ -28,7 +28,7 @@ from typing import Any
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
 from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_GROUPS_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV,
-                        TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
+                        MIN_FLOPS_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -48,6 +48,7 @@ class Variant:
     weight_gradients: str | None = None  # our schedules' weight_gradients (None: the config's, deferred by default)
     # False: a full backward computes its weight GEMMs inline, not while its exchanges fly; "fill": as fillers
     weight_gemms_in_flight: bool | str = True
+    min_weight_gemm_flops: int | None = None  # the least FLOPs of a deferred weight GEMM (None: the device's default)
 
 
 VARIANTS = (
@@ -76,12 +77,15 @@ VARIANTS = (
     # only the weight GEMMs that fit before the partner's exchange arrives (docs/weight_gradients.md#fillers)
     Variant("DualPipeV W fill", "DualPipeV", overlap=True, weight_gemms_in_flight="fill"),
     Variant("DualPipe W fill", "DualPipe", overlap=True, weight_gemms_in_flight="fill"),
+    # every weight GEMM deferred, the small ones too (docs/weight_gradients.md#small-gemms)
+    Variant("DualPipeV W all deferred", "DualPipeV", overlap=True, min_weight_gemm_flops=0),
+    Variant("DualPipe W all deferred", "DualPipe", overlap=True, min_weight_gemm_flops=0),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
 DEFAULT_LABELS = [v.label for v in VARIANTS
                   if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups
-                          or v.weight_gemms_in_flight is not True)]
+                          or v.weight_gemms_in_flight is not True or v.min_weight_gemm_flops is not None)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -106,7 +110,8 @@ OPTIONS: dict[str, dict] = {
     "--warmup": dict(type=int, default=3, help="first steps of each run left out of the figures"),
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
-                             "'... shared count comm', '... two-batch', '... W at I', '... W inline' and '... W fill')"),
+                             "'... shared count comm', '... two-batch', '... W at I', '... W inline', '... W fill' and "
+                             "'... W all deferred')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
@@ -197,6 +202,8 @@ class Launcher:
                TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0",
                WEIGHT_GEMMS_IN_FLIGHT_ENV: _in_flight_env(variant.weight_gemms_in_flight)}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
+        if variant.min_weight_gemm_flops is not None:
+            env[MIN_FLOPS_ENV] = str(variant.min_weight_gemm_flops)
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.workdir / "inductor_cache"))  # kernels built once, for every run
         env.pop(CALIBRATE_ENV, None)
         env.update({CALIBRATE_ENV: "1"} if calibrate else {})

@@ -47,7 +47,7 @@ from .sub_batch_runner import SubBatchRunner, has_exchanges, two_batch_stages
 from .pairs import PairRunner, pair_runner
 from .view import ScheduleView, StepOptions, TorchStepState
 from ..weights.in_flight import in_flight_mode_problem
-from ..weights.policy import WeightGradients, weight_gradients_problem
+from ..weights.policy import WeightGradients, min_flops_option, weight_gradients_problem
 from .twins import copy_to_twin, folded_into_fsdp, grads_before_step, prepare_folded, sum_twin_grads
 from .validation import (changed_inputs_problem, cross_rank_problem, data_parallel_problem, microbatch_signature,
                          runtime_options_problem,
@@ -108,6 +108,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       (docs/compile.md: measured slower on CPU than whole at ``I``).
     - ``not_deferred``: module names (``fnmatch`` patterns or module paths inside a stage module)
       whose weight GEMMs are not deferred; ``deferred_weights[stage_index]`` lists those that are.
+    - ``min_weight_gemm_flops`` (default None): a weight GEMM of fewer FLOPs (its parameter's first
+      call of a step decides) is left to autograd at ``I``, where deferral's Python nodes would
+      cost more than moving it saves. None: ``TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS`` where set,
+      else 8 MFLOP on a CPU and 0 (every GEMM) on other devices; 0 defers every one.
     - ``weight_gemms_in_flight`` (default True): a full backward (``B``, a pair's backward) of a
       deferring stage that posts expert-parallel exchanges queues its weight GEMMs too, and each
       exchange it posts runs those queued so far while it travels
@@ -148,10 +152,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         two_batch_overlap: bool | str = False,
         weight_gradients: str = "deferred",
         not_deferred: Sequence[str] = (),
+        min_weight_gemm_flops: int | None = None,
         weight_gemms_in_flight: bool | str = True,
         record_timeline: bool = False,
     ) -> None:
-        weight_gradients_problem(weight_gradients, not_deferred)
+        weight_gradients_problem(weight_gradients, not_deferred, min_weight_gemm_flops)
+        min_weight_gemm_flops = min_flops_option(min_weight_gemm_flops)  # the environment's, checked here
         if in_flight_mode_problem(weight_gemms_in_flight):
             raise PipelineConfigError(in_flight_mode_problem(weight_gemms_in_flight))
         pp = stages[0].group_size if isinstance(stages, (list, tuple)) and stages else 1
@@ -177,7 +183,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.max_outstanding_sends = max_outstanding_sends
         self._map_stages_to_ranks()
         self._choose_how_actions_run(overlap, split_stages, record_timeline)
-        self._choose_weight_gradients(weight_gradients, not_deferred, weight_gemms_in_flight)
+        self._choose_weight_gradients(weight_gradients, not_deferred, weight_gemms_in_flight, min_weight_gemm_flops)
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
@@ -218,11 +224,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
 
-    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], in_flight: bool | str) -> None:
+    def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], in_flight: bool | str,
+                                 min_flops: int | None) -> None:
         """Install deferred weight GEMMs on the stages that can take them (see ``weight_gradients``)."""
         modules = self._stage_modules()
         exchanges = {s for s, module in modules.items() if has_exchanges(module)}
-        self.weight_policy = WeightGradients(mode, not_deferred, in_flight, modules, exchanges)
+        self.weight_policy = WeightGradients(mode, not_deferred, in_flight, modules, exchanges, min_flops)
 
     @property
     def weight_gradients(self) -> str:

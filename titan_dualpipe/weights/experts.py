@@ -109,7 +109,6 @@ class _DeferrableGemm(torch.autograd.Function):
 
 
 def _deferrable_gemm(gemm: _Gemm, a: torch.Tensor, b: torch.Tensor, queue: WeightGradQueue) -> torch.Tensor:
-    gemm.root = root_of(b)  # not an input of the node: a parameter would be one of its edges
     dtype = autocast_dtype(a) if gemm.autocast else None
     b = b.detach()
     if dtype is not None:  # cast as autocast would (see deferrable_linear)
@@ -133,6 +132,10 @@ class DeferringExpertGemms(TorchFunctionMode):
         kwargs = kwargs or {}
         gemm, a, b = self._gemm(func, args, kwargs)
         if gemm is None:
+            return func(*args, **kwargs)
+        gemm.root = root_of(b)  # not an input of the node: a parameter would be one of its edges
+        # every kind's weight GEMM multiplies each element of ``a`` with a column of ``b``
+        if not self.queue.worth_deferring(gemm.root, 2 * a.numel() * b.shape[-1], a.device):
             return func(*args, **kwargs)
         return _deferrable_gemm(gemm, a, b, self.queue)
 

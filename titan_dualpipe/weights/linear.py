@@ -94,7 +94,10 @@ class _DeferrableLinear(torch.autograd.Function):
 def deferrable_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       queue: WeightGradQueue) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` whose weight GEMM waits for ``W`` when its backward runs
-    inside an ``I`` (``weight``: a parameter that needs a gradient), under autocast as autocast runs it."""
+    inside an ``I`` (``weight``: a parameter that needs a gradient), under autocast as autocast runs it;
+    plain ``F.linear`` where the GEMM is too small (:meth:`~.queue.WeightGradQueue.worth_deferring`)."""
+    if not queue.worth_deferring(weight, 2 * input.numel() * weight.shape[0], input.device):
+        return F.linear(input, weight, bias)
     dtype = autocast_dtype(input)
     if dtype is None:
         return _linear_nodes(input, weight, bias, queue, queue.compute_weight(weight, weight.dtype))
@@ -135,9 +138,11 @@ def _linear_grads(ctx: Any, grad: torch.Tensor,
 
 def _compiled_weight_gemm(queue: WeightGradQueue, parameter: torch.Tensor, grad_2d: torch.Tensor,
                           input_2d: torch.Tensor) -> torch.Tensor | None:
-    """``dW = dY^T X`` at once, or None when it is queued for ``W`` (inside an ``I``), on copies of
-    the operands (a compiled graph may reuse their buffers once the call returns)."""
-    if queue.target is not None:
+    """``dW = dY^T X`` at once, or None when it is queued for ``W`` (inside an ``I``, when large
+    enough), on copies of the operands (a compiled graph may reuse their buffers once the call
+    returns)."""
+    flops = 2 * grad_2d.shape[0] * grad_2d.shape[1] * input_2d.shape[1]
+    if queue.target is not None and queue.worth_deferring(parameter, flops, grad_2d.device):
         grad_2d, input_2d = grad_2d.clone(), input_2d.clone()
         if queue.defer(parameter, lambda: grad_2d.t().mm(input_2d), holds=(grad_2d, input_2d)):
             return None

@@ -1,13 +1,14 @@
 """The weight-gradient policy a schedule holds: which stages defer, and each step's plan.
 
-:class:`WeightGradients` is built from the schedules' ``weight_gradients``, ``not_deferred`` and
-``weight_gemms_in_flight`` options: it installs deferral on the stages that can take it, keeps them
+:class:`WeightGradients` is built from the schedules' ``weight_gradients``, ``not_deferred``,
+``min_weight_gemm_flops`` and ``weight_gemms_in_flight`` options: it installs deferral on the stages that can take it, keeps them
 routed to its queue, and for each step reads from the order which forwards defer and hands the
 executor a :class:`~.plan.BackwardPlan`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Collection, Sequence
 
 import torch
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._compat.pipelining import B, I, OVERLAP_F_B, W, _Action
 from ..orders.errors import PipelineConfigError
+from ..switches import MIN_FLOPS_ENV
 from ..orders.placement import Placement
 from .install import compiled_hooks_problem, install, routed_to, uninstall
 from .plan import BackwardPlan, Key, whole_backward_reason
@@ -24,14 +26,31 @@ WEIGHT_GRADIENT_MODES = ("deferred", "deferred_compiled", "split", "whole")
 DEFERRING_MODES = ("deferred", "deferred_compiled")  # the modes that install deferred GEMMs
 
 
-def weight_gradients_problem(mode: object, not_deferred: object) -> None:
-    """PipelineConfigError (before any collective) for a ``weight_gradients`` / ``not_deferred`` option
-    that cannot work."""
+def weight_gradients_problem(mode: object, not_deferred: object, min_flops: object = None) -> None:
+    """PipelineConfigError (before any collective) for a ``weight_gradients`` / ``not_deferred`` /
+    ``min_weight_gemm_flops`` option that cannot work."""
     if mode not in WEIGHT_GRADIENT_MODES:
         raise PipelineConfigError(f"weight_gradients={mode!r}: use one of {', '.join(map(repr, WEIGHT_GRADIENT_MODES))}")
     if isinstance(not_deferred, str) or not all(isinstance(name, str) for name in not_deferred):  # type: ignore[union-attr]
         raise PipelineConfigError(f"not_deferred={not_deferred!r}: pass a list of module names or fnmatch patterns, "
                                   f"e.g. ['output', 'layers.*.attention.wq']")
+    if min_flops is not None and (isinstance(min_flops, bool) or not isinstance(min_flops, int) or min_flops < 0):
+        raise PipelineConfigError(f"min_weight_gemm_flops={min_flops!r}: pass a count of FLOPs >= 0 (0 defers every "
+                                  f"weight GEMM) or None (the device's default, {MIN_FLOPS_ENV} where set)")
+
+
+def min_flops_option(min_flops: int | None) -> int | None:
+    """The least FLOPs of a deferred weight GEMM: ``min_flops``, else ``TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS``
+    where set, else None (by device type, :data:`~.queue.DEFAULT_MIN_FLOPS`)."""
+    if min_flops is not None:
+        return min_flops
+    value = os.environ.get(MIN_FLOPS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise PipelineConfigError(f"{MIN_FLOPS_ENV}={value!r}: set a count of FLOPs >= 0 (0 defers every weight GEMM), "
+                                  "or unset it for the device's default")
+    return int(value)
 
 
 class WeightGradients:
@@ -46,12 +65,12 @@ class WeightGradients:
     """
 
     def __init__(self, mode: str, not_deferred: Sequence[str], in_flight: bool | str,
-                 modules: dict[int, torch.nn.Module], exchanges: Collection[int]) -> None:
+                 modules: dict[int, torch.nn.Module], exchanges: Collection[int], min_flops: int | None = None) -> None:
         self.mode = mode
         self.fills = in_flight == "fill"
         self.not_deferred = list(not_deferred)
         self.compiled = mode == "deferred_compiled"
-        self.queue = WeightGradQueue()
+        self.queue = WeightGradQueue(min_flops)  # None: the device's default
         kept_whole = frozenset(s for s, module in modules.items() if whole_backward_reason(module))
         self.deferred_weights: dict[int, list[str]] = {}
         for s, module in modules.items():

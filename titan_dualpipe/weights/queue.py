@@ -23,6 +23,11 @@ from .._compat.autograd import inside_backward
 Key = tuple[int, int]  # (stage index, microbatch)
 ACCUMULATE_BYTES = 64 << 20  # most weight-gradient bytes a W hands to autograd in one call
 Root = Union[torch.Tensor, GradientEdge]  # where a weight gradient enters autograd: a parameter, or an operand's edge
+# The least FLOPs of a weight GEMM worth deferring, by device type, where a schedule names none
+# (``min_weight_gemm_flops``): deferral's two Python autograd nodes cost about 50 us a call on a
+# CPU, what a GEMM of some 5-8 MFLOP takes there (docs/weight_gradients.md#small-gemms). A GPU
+# runs its GEMMs behind the host's Python, so every one defers there.
+DEFAULT_MIN_FLOPS = {"cpu": 8_000_000}
 
 
 def root_of(operand: torch.Tensor) -> Root:
@@ -57,7 +62,8 @@ class WeightGradQueue:
     tell themselves apart by whether a backward runs on their thread (:meth:`routes_now`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_flops: int | None = 0) -> None:
+        self.min_flops = min_flops  # None: by device type (DEFAULT_MIN_FLOPS)
         self.target: Key | None = None
         self.defers_forwards = False
         self._pending: dict[Key, list[_Deferred]] = {}
@@ -70,15 +76,16 @@ class WeightGradQueue:
         self.ran_microbatches: Counter[Key] = Counter()  # ... by (stage, microbatch)
         self.ran_in_flight = 0  # full backwards' weight GEMMs computed while their exchanges flew, this step
         self._seconds: dict[tuple, float] = {}  # the last time a GEMM of each size took to compute in flight
+        self._worth: dict[int, bool] = {}  # by parameter id: whether its GEMMs defer this step
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> "WeightGradQueue":
         return self  # a copied stage module defers into its schedule's queue until installed again
 
     def __getstate__(self) -> dict:
-        return {"target": None, "defers_forwards": False, "_pending": {}, "_casts": {}, "_anchors": {},
-                "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(), "ran_in_flight": 0,
-                "_seconds": {}, "on_hold": None}
+        return {"min_flops": self.min_flops, "target": None, "defers_forwards": False, "_pending": {}, "_casts": {},
+                "_anchors": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(), "ran_in_flight": 0,
+                "_seconds": {}, "_worth": {}, "on_hold": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -107,6 +114,22 @@ class WeightGradQueue:
         :meth:`deferring`, or a checkpointed region's recomputation inside a backward that collects
         (the backward of a forward that deferred: the recomputation takes the forward's path)."""
         return self.target is not None if inside_backward() else self.defers_forwards
+
+    def least_flops(self, device: torch.device) -> int:
+        """The least FLOPs of a weight GEMM on ``device`` that defers."""
+        return DEFAULT_MIN_FLOPS.get(device.type, 0) if self.min_flops is None else self.min_flops
+
+    def worth_deferring(self, root: Root, flops: int, device: torch.device) -> bool:
+        """Whether the weight GEMMs into ``root``'s parameter defer this step: whether its first, of
+        ``flops`` on ``device``, was large enough. A smaller one is computed by autograd in its backward (its
+        nodes would cost more than moving it can save); one answer per step and parameter keeps its
+        accumulation whole (sub-batches and experts see other token counts)."""
+        least = self.least_flops(device)
+        if least <= 0:
+            return True
+        parameter = id(parameter_of(root))
+        decided = self._worth.get(parameter)
+        return self._worth.setdefault(parameter, flops >= least) if decided is None else decided
 
     def defer(self, root: Root, gemm: Callable[[], torch.Tensor], kind: str = "linear",
               holds: tuple[torch.Tensor, ...] = ()) -> bool:
@@ -199,6 +222,7 @@ class WeightGradQueue:
         with self._lock:
             self._pending.clear()
         self._casts.clear()
+        self._worth.clear()
         self.ran.clear()
         self.ran_kinds.clear()
         self.ran_microbatches.clear()
@@ -212,11 +236,11 @@ def _by_parameter(deferred: list[_Deferred]) -> list[list[_Deferred]]:
     operand's graph), groups in the order of their first entry, entries in queue order."""
     groups: dict[int, list[_Deferred]] = {}
     for d in deferred:
-        groups.setdefault(id(_parameter_of(d.root)), []).append(d)
+        groups.setdefault(id(parameter_of(d.root)), []).append(d)
     return list(groups.values())
 
 
-def _parameter_of(root: Root) -> Any:
+def parameter_of(root: Root) -> Any:
     """The leaf a root's gradient accumulates into: the parameter, or the end of an operand's chain of
     single-input nodes (slice, cast, transpose, ``to_local``); the edge's node where it branches."""
     if not isinstance(root, GradientEdge):
