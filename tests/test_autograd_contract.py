@@ -2,10 +2,11 @@
 under ours (the differential harness, tests/cases/contract_cases.py: CPU, gloo, 4 spawned ranks).
 
 Every autograd feature of :data:`contract_cases.FEATURES`, under both schedules, every backward
-path and activation-checkpointing mode, trains two steps as plain autograd does: losses, every
-gradient on every rank, what the hooks saw. torch's ``ScheduleDualPipeV`` gives the same gradients
-where it trains the feature; a combination the schedules cannot run is refused before the first
-step, on every rank.
+path (weight GEMMs in flight as fillers too) and activation-checkpointing mode, trains two steps as
+plain autograd does: losses, every gradient on every rank, what the hooks saw; a MoE block with
+chunked exchanges also as its whole exchanges do, bit for bit. torch's ``ScheduleDualPipeV`` gives
+the same gradients where it trains the feature; a combination the schedules cannot run is refused
+before the first step, on every rank.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def _table(schedule: str) -> list[str]:
 def test_a_feature_trains_as_under_plain_autograd(pool, feature):
     """DualPipeV, per path and AC mode: the losses and every gradient of every rank within the
     feature's tolerance of plain autograd's; hooks saw each microbatch's whole gradient, once;
-    deferred paths deferred and weights flew where they should. Refused combinations: the same
-    PipelineConfigError on every rank."""
+    deferred paths deferred, weights flew where they should, and fillers held back; a bitwise twin
+    matched. Refused combinations: the same PipelineConfigError on every rank."""
     _check_table(pool, feature, "DualPipeV")
 
 
@@ -54,10 +55,27 @@ def _check_table(pool, feature: str, schedule: str) -> None:
         assert max(r["grad_err"] for r in results) <= max(spec.tolerance), (combo, results)
         if spec.records:
             assert all(r["records"] > 0 for r in results), (combo, results)
-        if path in ("I+W", "relay", "protocol") and cases.LAYOUT[schedule][0] == spec.layout(schedule)[0]:
+        if path in ("I+W", "relay", "relay_fill", "protocol") and cases.LAYOUT[schedule][0] == spec.layout(schedule)[0]:
             assert sum(r["deferred"] for r in results) > 0, (combo, results)  # Ws ran queued GEMMs
         if path in ("relay", "protocol", "two_batch"):
             assert sum(r["in_flight"] for r in results) > 0, (combo, results)  # full backwards' GEMMs flew
+        if spec.bitwise_twin:
+            assert all(r["bitwise"] > 0 for r in results), (combo, results)
+    for ac in cases.AC_MODES:
+        _check_fillers(ran, ac)
+
+
+def _check_fillers(ran: list[dict], ac: str) -> None:
+    """As fillers, on exchanges that arrive as soon as posted, a backward computes in flight only what fits
+    before its partner half's exchange arrives: nothing while the partner waits on one (the rest at its
+    end), all where no partner waits (a backward outside a pair, or one whose partner ended first, as a
+    recomputation's exchange under AC lets it). So no more fly than on the relay path, and without AC,
+    where paired backwards' partners wait, fewer."""
+    fill, relay = f"relay_fill/{ac}", f"relay/{ac}"
+    if fill not in ran[0] or relay not in ran[0]:
+        return
+    flew = {path: sum(r[path]["in_flight"] for r in ran) for path in (fill, relay)}
+    assert flew[fill] < flew[relay] if ac == "none" else flew[fill] <= flew[relay], flew
 
 
 AGREED = [feature for feature, spec in cases.FEATURES.items()

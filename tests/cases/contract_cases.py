@@ -2,18 +2,23 @@
 
 One table of autograd features (:data:`FEATURES`). Each feature runs under both schedules, every
 backward path (:data:`PATHS`: whole backwards; I + W with deferred weight GEMMs; relayed pairs and
-protocol pairs, whose full backwards compute their weight GEMMs while their exchanges fly;
-two-batch halves) and every activation-checkpointing mode, two training steps with an Adam step
-between, against plain autograd: per-microbatch losses and every parameter's gradient on every
-rank, and what the feature's hooks saw. DualPipeV also runs torch's ``ScheduleDualPipeV`` on the
-same model where torch's trains it, and compares gradients with it.
+protocol pairs, whose full backwards compute their weight GEMMs while their exchanges fly; relayed
+pairs with those GEMMs as fillers, ``weight_gemms_in_flight="fill"``, AC none and full; two-batch
+halves) and every activation-checkpointing mode, two training steps with an Adam step between,
+against plain autograd: per-microbatch losses and every parameter's gradient on every rank, and
+what the feature's hooks saw. DualPipeV also runs torch's ``ScheduleDualPipeV`` on the same model
+where torch's trains it, and compares gradients with it.
 
 The model: ``2 * pp`` parts (DualPipeV) or ``pp`` parts (DualPipe) of a small residual MLP. Each
 part's block posts a stand-in expert-parallel exchange (a hand-over point, forward and backward)
 on the paths that overlap, so relayed pairs switch halves there and full backwards run their
-weight GEMMs in flight, inside checkpointed regions too. Data- and tensor-parallel features run
-pp 2 x 2; a combination the schedules refuse must raise the same PipelineConfigError on every
-rank before the first step. :func:`failure_named_on_every_rank` is the failure path.
+weight GEMMs in flight, inside checkpointed regions too; on the fillers' path it arrives as soon
+as posted, and says so. One feature ends each block in a real MoE block
+(:mod:`titan_dualpipe.overlap.moe`), its experts split over two expert-parallel ranks and its
+exchanges cut in two, which a pipeline with whole exchanges must match bit for bit. Data-, tensor-
+and expert-parallel features run pp 2 x 2; a combination the schedules refuse must raise the same
+PipelineConfigError on every rank before the first step. :func:`failure_named_on_every_rank` is
+the failure path.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import time
 from datetime import timedelta
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -33,8 +39,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_dualpipe import ScheduleDualPipe, ScheduleDualPipeV, placement
+from titan_dualpipe.overlap.comm import ExpertParallelComm
+from titan_dualpipe.overlap.moe import MoEArgs, TransformerBlock, expert_parallel, set_exchange_chunks
 from titan_dualpipe.overlap.relay import hand_over
 from titan_dualpipe.runtime.sub_batch_runner import register_exchange_rule
+from titan_dualpipe.weights.in_flight import fill_before_wait
 
 from cases.layout import pipeline_ranks
 
@@ -55,22 +64,33 @@ BF16 = (3e-2, 3e-2)  # autocast's bfloat16 GEMMs, summed over microbatches in an
 
 class _Exchange(torch.autograd.Function):
     """Identity that hands over in its forward and its backward, as an expert all-to-all does
-    between posting and waiting."""
+    between posting and waiting. ``known``: it says when it arrives, as the CPU's emulated network
+    does (here as soon as posted: no latency), which fillers go by; else unknown, as on a GPU."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        hand_over()
+    def forward(ctx, x: torch.Tensor, known: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.known = known
+        hand_over(ready_at=_arrival(known))
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        hand_over(backward=True)
-        return grad
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ready_at = _arrival(ctx.known)
+        hand_over(backward=True, ready_at=ready_at)
+        fill_before_wait(ready_at)
+        return grad, None
+
+
+def _arrival(known: bool) -> float | None:
+    return time.perf_counter() if known else None
 
 
 class Part(nn.Module):
     """A linear layer, then a residual MLP block (the activation-checkpointed region, holding the
-    exchange). ``options`` switch the features that change the forward."""
+    exchange, and a MoE block where a feature adds one). ``options`` switch the features that change
+    the forward."""
+
+    arrivals_known = False  # its stand-in exchanges say when they arrive
 
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -82,6 +102,7 @@ class Part(nn.Module):
         self.ac = "none"
         self.posts_exchanges = False
         self.options: frozenset[str] = frozenset()
+        self.moe: nn.Module | None = None
 
     def block(self, h: torch.Tensor) -> torch.Tensor:
         if "nested_checkpoint" in self.options:
@@ -89,8 +110,9 @@ class Part(nn.Module):
         else:
             x = F.gelu(self.w1(self.norm(h)))
         if self.posts_exchanges:
-            x = _Exchange.apply(x)
-        return h + self.w2(x)
+            x = _Exchange.apply(x, self.arrivals_known)
+        h = h + self.w2(x)
+        return h if self.moe is None else self.moe(h)
 
     def body(self, h: torch.Tensor) -> torch.Tensor:
         h = self.inp(h)
@@ -129,6 +151,13 @@ class ProtocolPart(Part):
                                     backward_inputs, backward_outputs, backward_output_grads):
         torch.autograd.backward(backward_outputs, backward_output_grads)
         return Part.forward(forward_module, *forward_args, **forward_kwargs)  # the module's own forward
+
+
+class ArrivingPart(Part):
+    """A part whose exchanges arrive as soon as they are posted, and say so: as fillers, a relayed
+    backward finds no time before its partner's exchange, and leaves its weight GEMMs to its end."""
+
+    arrivals_known = True
 
 
 register_exchange_rule(lambda module: isinstance(module, Part) and module.posts_exchanges)
@@ -194,23 +223,33 @@ class Feature:
     static_shapes: str = ""  # why the stages declare their shapes (input_args/output_args) instead of inferring them
     data_parallel: Callable[[nn.Module, Any], None] | None = None  # wraps each stage module over a dp group of 2
     tensor_parallel: Callable[[nn.Module, Any], None] | None = None  # shards each stage module over a tp group of 2
+    # splits each stage module's experts over an expert-parallel group of 2, each rank its own batch
+    expert_parallel: Callable[[nn.Module, Any], None] | None = None
+    # changes the parts of a second pipeline, stepped beside the first, that must give its losses and
+    # gradients bit for bit
+    bitwise_twin: Callable[[list[Part]], None] | None = None
     options: dict = dataclasses.field(default_factory=dict)  # schedule options it needs
     refused: str = ""  # a combination the schedules refuse: words of the PipelineConfigError every rank raises
 
     def layout(self, schedule: str) -> tuple[int, int, int]:
-        """(pp, microbatches, width) of its runs: data or tensor parallelism takes pp 2 x 2."""
+        """(pp, microbatches, width) of its runs: data, tensor or expert parallelism takes pp 2 x 2."""
         pp, n = LAYOUT[schedule]
-        return (2, 4, 2) if self.data_parallel or self.tensor_parallel else (pp, n, 1)
+        return (2, 4, 2) if self.data_parallel or self.tensor_parallel or self.expert_parallel else (pp, n, 1)
+
+    def own_batches(self) -> bool:
+        """Whether the ranks of the second dimension feed batches of their own (tensor parallel ranks share one)."""
+        return bool(self.data_parallel or self.expert_parallel)
 
     def parallelize(self, module: nn.Module, group: Any) -> None:
-        for wrap in (self.data_parallel, self.tensor_parallel):
+        for wrap in (self.data_parallel, self.tensor_parallel, self.expert_parallel):
             if wrap is not None:
                 wrap(module, group)
 
     def runs(self, schedule: str, path: str, ac: str) -> bool:
         if self.refused:  # refused before the first step, whatever the path
             return schedule in self.schedules and path == "I+W" and ac == "none"
-        return schedule in self.schedules and ac in self.ac_modes and path != self.other_paths[0]
+        return (schedule in self.schedules and ac in self.ac_modes and ac in PATH_AC_MODES.get(path, AC_MODES)
+                and path != self.other_paths[0])
 
 
 def _options(*names: str) -> Callable[[list[Part], Records], None]:
@@ -326,6 +365,30 @@ def _compiled_with_tensor_hooks(parts: list[Part], records: Records) -> None:
     _tensor_hooks(parts, records)
 
 
+MOE = MoEArgs(dim=DIM, n_heads=2, num_experts=4, top_k=2, moe_inter_dim=2 * DIM, exchange_chunks=2)
+
+
+def _moe_blocks(parts: list[Part], records: Records) -> None:
+    """Each part ends in a MoE transformer block, its dispatch and combine cut into two exchanges each."""
+    for part in parts:
+        part.moe = TransformerBlock(MOE)
+
+
+def _split_experts(module: nn.Module, group: Any) -> None:
+    expert_parallel(module, _expert_comm(group))
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_comm(group: Any) -> ExpertParallelComm:
+    """One per group: a rank's stage modules share it."""
+    return ExpertParallelComm(group)
+
+
+def _whole_exchanges(parts: list[Part]) -> None:
+    for part in parts:
+        set_exchange_chunks(part, 1)
+
+
 FEATURES: dict[str, Feature] = {
     "plain": Feature(),
     "autocast_around_step": Feature(context=_autocast_step, tolerance=BF16),
@@ -357,6 +420,12 @@ FEATURES: dict[str, Feature] = {
                                             refused="inside compiled blocks have gradient hooks"),
     "replicate_fsdp": Feature(data_parallel=_replicate_fsdp),
     "dtensor_weights": Feature(tensor_parallel=_tensor_parallel),
+    # chunked exchanges change no bit: a pipeline with whole ones steps beside it. Two pipelines over real
+    # exchanges take 10-20 times a plain combination's time: DualPipeV only (test_overlap runs chunks under
+    # DualPipe), without selective AC
+    "moe_chunked_exchanges": Feature(prepare=_moe_blocks, expert_parallel=_split_experts,
+                                     bitwise_twin=_whole_exchanges, schedules=("DualPipeV",),
+                                     ac_modes=("none", "full")),
 }
 
 # backward paths: the schedule options, the part class, whether parts post exchanges
@@ -364,10 +433,14 @@ PATHS: dict[str, tuple[dict, type, bool]] = {
     "whole": ({"weight_gradients": "whole", "overlap": False}, Part, False),
     "I+W": ({"overlap": False}, Part, False),
     "relay": ({"overlap": True}, Part, True),
+    "relay_fill": ({"overlap": True, "weight_gemms_in_flight": "fill"}, ArrivingPart, True),
     "protocol": ({"overlap": True}, ProtocolPart, True),
     "two_batch": ({"overlap": True, "two_batch_overlap": "all"}, Part, True),
 }
 TORCH_PATH = ({}, Part, False)  # torch's ScheduleDualPipeV
+# Under AC a relayed backward's recomputation lets its partner end first, and with no partner waiting
+# fillers compute what the relay path does: selective AC would repeat full's case
+PATH_AC_MODES = {"relay_fill": ("none", "full")}
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -471,7 +544,7 @@ def _compare_grads(modules: dict[int, Part], reference: list[Part], tolerance: t
     ref = {f"{p.index}.{n}": w for p in reference for n, w in p.named_parameters()}
     for s, module in modules.items():
         for name, p in module.named_parameters():
-            want = ref[f"{module.index}.{name}"].grad
+            want = _held(module, name, ref[f"{module.index}.{name}"].grad)
             got = p.grad
             if want is None:
                 assert got is None or not got.any(), f"{label}: stage {s} {name} has a gradient, plain autograd none"
@@ -482,6 +555,15 @@ def _compare_grads(modules: dict[int, Part], reference: list[Part], tolerance: t
                                        msg=lambda m: f"{label}: stage {s} {name}: {m}")
             worst = max(worst, (got - want).abs().max().item())
     return worst
+
+
+def _held(module: Part, name: str, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """What this rank holds of plain autograd's gradient: of an expert weight, its own experts'."""
+    if grad is None or not _is_expert(name):
+        return grad
+    moe = module.get_submodule(name.rsplit(".experts.", 1)[0])
+    first = moe.comm.rank * moe.num_local_experts
+    return grad[first:first + moe.num_local_experts]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -528,26 +610,28 @@ def contract_run(feature_name: str, schedule: str, path: str, ac: str) -> dict |
     if ranks is None:
         return None
     pp_group, pp_rank = ranks.pp_group, ranks.pp_rank
-    replicas, replica = (dp, ranks.replica) if feature.data_parallel else (1, 0)  # tensor parallel ranks share a batch
+    replicas, replica = (dp, ranks.replica) if feature.own_batches() else (1, 0)
     place = placement(schedule, pp, n)
     options, part_class, exchanges = PATHS[path] if path != "torch" else TORCH_PATH
     ours, ref_records = Records(), Records()
     reference = _parts(schedule, feature, ac, part_class, exchanges, ref_records)
     feature.hooks(reference, ref_records)
-    modules = _stage_modules(_parts(schedule, feature, ac, part_class, exchanges, ours), schedule, place, pp_rank)
-    feature.hooks(list(modules.values()), ours)
-    for module in modules.values() if dp > 1 else ():
-        feature.parallelize(module, ranks.dp_group)
+    modules = _our_modules(feature, schedule, ac, part_class, exchanges, place, ranks, dp, ours)
     cls = _schedule_class(schedule, path)
     if feature.refused:
         return _refused(feature, lambda: _step(_build(cls, modules, pp_group, place, **options, **feature.options),
                                                place, pp_rank, 0, feature, replica))
-    sched = _build(cls, modules, pp_group, place, static_shapes=bool(feature.static_shapes), **options,
-                   **feature.options)
-    opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
+    build = functools.partial(_build, cls, group=pp_group, place=place, static_shapes=bool(feature.static_shapes),
+                              **options, **feature.options)
+    pipelines = [modules]
+    if feature.bitwise_twin is not None:
+        pipelines.append(_our_modules(feature, schedule, ac, part_class, exchanges, place, ranks, dp, Records(),
+                                      twin=True))
+    sched, *twin_scheds = [build(ms) for ms in pipelines]
+    opts = [torch.optim.Adam([p for m in ms.values() for p in m.parameters()], lr=1e-2) for ms in pipelines]
     ref_opt = torch.optim.Adam([p for part in reference for p in part.parameters()], lr=1e-2)
     label = f"{feature_name} {schedule} {path} ac={ac} rank {dist.get_rank()}"
-    result = {"grad_err": 0.0, "losses": 0, "records": 0, "deferred": 0, "in_flight": 0}
+    result = {"grad_err": 0.0, "losses": 0, "records": 0, "deferred": 0, "in_flight": 0, "bitwise": 0}
     mismatches: list[str] = []  # a rank that finds one goes on with its peers, and raises at the end
     for step in range(2):
         ours.clear()
@@ -555,6 +639,12 @@ def contract_run(feature_name: str, schedule: str, path: str, ac: str) -> dict |
         losses = _step(sched, place, pp_rank, step, feature, replica)
         want, per_microbatch = _reference(reference, step, feature, n, replicas, replica)
         where = f"{label} step {step}"
+        for twin, twin_sched in zip(pipelines[1:], twin_scheds):  # stepped whatever the comparisons find, as its peers
+            twin_losses = _step(twin_sched, place, pp_rank, step, feature, replica)
+            result["bitwise"] += _checked(mismatches, lambda: _same_bits(modules, losses, twin, twin_losses,
+                                                                         where)) or 0
+        for ms in pipelines if feature.expert_parallel else ():
+            _average_over_expert_ranks(ms, ranks.dp_group)
         if losses:
             _checked(mismatches, lambda: torch.testing.assert_close(
                 torch.tensor([float(l) for l in losses]), torch.tensor(want), rtol=feature.tolerance[0],
@@ -572,11 +662,57 @@ def contract_run(feature_name: str, schedule: str, path: str, ac: str) -> dict |
         if path != "torch":
             result["deferred"] += sum(sched.weight_policy.queue.ran.values())
             result["in_flight"] += sched.weight_policy.queue.ran_in_flight
-        for o in (opt, ref_opt):
+        for o in (*opts, ref_opt):
             o.step()
             o.zero_grad()
     assert not mismatches, mismatches[0]
     return result
+
+
+def _our_modules(feature: Feature, schedule: str, ac: str, part_class: type, exchanges: bool, place: Any,
+                 ranks: "_Ranks", dp: int, records: Records, twin: bool = False) -> dict[int, Part]:
+    """This rank's stage modules, hooked and parallelised; ``twin``: with the feature's bitwise twin's change."""
+    parts = _parts(schedule, feature, ac, part_class, exchanges, records)
+    if twin:
+        feature.bitwise_twin(parts)
+    modules = _stage_modules(parts, schedule, place, ranks.pp_rank)
+    feature.hooks(list(modules.values()), records)
+    for module in modules.values() if dp > 1 else ():
+        feature.parallelize(module, ranks.dp_group)
+    return modules
+
+
+def _same_bits(modules: dict[int, Part], losses: list, twin: dict[int, Part], twin_losses: list, label: str) -> int:
+    """The twin pipeline gave the same losses and raw gradients, bit for bit; how many gradients."""
+    assert [float(l) for l in twin_losses] == [float(l) for l in losses], f"{label}: the twin's losses differ"
+    compared = 0
+    for s, module in modules.items():
+        for (name, p), q in zip(module.named_parameters(), twin[s].parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), f"{label}: stage {s} {name}: a gradient in one pipeline only"
+            if p.grad is not None:
+                a, b = _full(p.grad), _full(q.grad)
+                assert torch.equal(a, b), f"{label}: stage {s} {name}: the twin's differs by {(a - b).abs().max()}"
+                compared += 1
+    return compared
+
+
+def _average_over_expert_ranks(modules: dict[int, Part], group: Any) -> None:
+    """What a data-parallel trainer does over expert-parallel ranks fed their own batches: average the
+    replicated weights' gradients; an expert's already sums over both ranks' tokens."""
+    size = dist.get_world_size(group)
+    named = [(name, p.grad) for module in modules.values() for name, p in module.named_parameters()
+             if p.grad is not None]
+    replicated = [grad for name, grad in named if not _is_expert(name)]
+    flat = torch.cat([grad.flatten() for grad in replicated])  # one collective, not one per weight
+    dist.all_reduce(flat, group=group)
+    for grad, summed in zip(replicated, flat.split([grad.numel() for grad in replicated])):
+        grad.copy_(summed.view_as(grad))
+    for _, grad in named:
+        grad /= size
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -660,7 +796,7 @@ def torch_agrees(feature_name: str, ac: str) -> dict | None:
     mismatches: list[str] = []  # raised after the last step: a rank that stopped early would leave its peers waiting
     for step in range(2):
         for modules, sched in built.values():
-            _step(sched, place, pp_rank, step, feature, ranks.replica if feature.data_parallel else 0)
+            _step(sched, place, pp_rank, step, feature, ranks.replica if feature.own_batches() else 0)
         (ours, _), (theirs, _) = built["ours"], built["torch"]
         for s in ours:
             for (name, p), q in zip(ours[s].named_parameters(), theirs[s].parameters()):
