@@ -515,7 +515,7 @@ def test_pictures_are_what_draw_makes(tmp_path: Path) -> None:
 ALLOWED = {
     "_compat": {"_compat"},
     "orders": {"_compat", "cli", "orders"},
-    "weights": {"_compat", "orders", "weights"},
+    "weights": {"_compat", "orders", "switches", "weights"},
     "exposure": {"exposure"},  # pure: the floor and its record
     "runtime": {"_compat", "orders", "weights", "runtime"},
     "overlap": {"_compat", "orders", "weights", "runtime", "overlap", "cut", "exposure"},
