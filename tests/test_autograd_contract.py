@@ -55,10 +55,14 @@ def _check_table(pool, feature: str, schedule: str) -> None:
         assert max(r["grad_err"] for r in results) <= max(spec.tolerance), (combo, results)
         if spec.records:
             assert all(r["records"] > 0 for r in results), (combo, results)
-        if path in ("I+W", "relay", "relay_fill", "protocol") and cases.LAYOUT[schedule][0] == spec.layout(schedule)[0]:
+        small_only = path == "small_gemms" and feature in cases.ALL_SMALL
+        if path in ("I+W", "relay", "relay_fill", "protocol", "small_gemms") and not small_only \
+                and cases.LAYOUT[schedule][0] == spec.layout(schedule)[0]:
             assert sum(r["deferred"] for r in results) > 0, (combo, results)  # Ws ran queued GEMMs
-        if path in ("relay", "protocol", "two_batch"):
+        if path in ("relay", "protocol", "two_batch", "small_gemms") and not small_only:
             assert sum(r["in_flight"] for r in results) > 0, (combo, results)  # full backwards' GEMMs flew
+        if path == "small_gemms" and feature not in cases.NONE_SMALL:  # the small ones stayed with autograd
+            assert all(r["left_to_autograd"] > 0 for r in results), (combo, results)
         if spec.bitwise_twin:
             assert all(r["bitwise"] > 0 for r in results), (combo, results)
     for ac in cases.AC_MODES:

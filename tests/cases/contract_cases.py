@@ -3,8 +3,8 @@
 One table of autograd features (:data:`FEATURES`). Each feature runs under both schedules, every
 backward path (:data:`PATHS`: whole backwards; I + W with deferred weight GEMMs; relayed pairs and
 protocol pairs, whose full backwards compute their weight GEMMs while their exchanges fly; relayed
-pairs with those GEMMs as fillers, ``weight_gemms_in_flight="fill"``, AC none and full; two-batch
-halves) and every activation-checkpointing mode, two training steps with an Adam step between,
+pairs with those GEMMs as fillers, ``weight_gemms_in_flight="fill"``, AC none and full; relayed
+pairs whose small weight GEMMs stay with autograd, ``min_weight_gemm_flops``; two-batch halves) and every activation-checkpointing mode, two training steps with an Adam step between,
 against plain autograd: per-microbatch losses and every parameter's gradient on every rank, and
 what the feature's hooks saw. DualPipeV also runs torch's ``ScheduleDualPipeV`` on the same model
 where torch's trains it, and compares gradients with it.
@@ -56,6 +56,11 @@ AC_MODES = ("none", "full", "selective")
 # torch's ScheduleDualPipeV splits a backward into I and W, two autograd passes: a selective-AC
 # region refuses the second ("Trying to backward an extra time")
 TORCH_AC_MODES = ("none", "full")
+SMALL_GEMM_FLOPS = 1000  # the small_gemms path's least FLOPs of a deferred weight GEMM
+# features whose trained weight GEMMs are all under it (frozen layers' rank-2 adapters): none waits
+ALL_SMALL = frozenset({"frozen_with_adapters"})
+# ... and those whose small GEMM is no deferrable one (a parametrized weight goes through autograd anyway)
+NONE_SMALL = frozenset({"parametrizations"})
 FP32 = (1e-5, 4e-5)  # (rtol, atol): the project's tolerance
 BF16 = (3e-2, 3e-2)  # autocast's bfloat16 GEMMs, summed over microbatches in another order
 
@@ -434,6 +439,9 @@ PATHS: dict[str, tuple[dict, type, bool]] = {
     "I+W": ({"overlap": False}, Part, False),
     "relay": ({"overlap": True}, Part, True),
     "relay_fill": ({"overlap": True, "weight_gemms_in_flight": "fill"}, ArrivingPart, True),
+    # the relay with the parts' first layer (2 x 6 tokens x 8 x 8 = 768 FLOPs) under the least FLOPs of
+    # a deferred GEMM, its block's (1,536) over: at I and in flight, some GEMMs wait, some do not
+    "small_gemms": ({"overlap": True, "min_weight_gemm_flops": SMALL_GEMM_FLOPS}, Part, True),
     "protocol": ({"overlap": True}, ProtocolPart, True),
     "two_batch": ({"overlap": True, "two_batch_overlap": "all"}, Part, True),
 }
@@ -631,7 +639,8 @@ def contract_run(feature_name: str, schedule: str, path: str, ac: str) -> dict |
     opts = [torch.optim.Adam([p for m in ms.values() for p in m.parameters()], lr=1e-2) for ms in pipelines]
     ref_opt = torch.optim.Adam([p for part in reference for p in part.parameters()], lr=1e-2)
     label = f"{feature_name} {schedule} {path} ac={ac} rank {dist.get_rank()}"
-    result = {"grad_err": 0.0, "losses": 0, "records": 0, "deferred": 0, "in_flight": 0, "bitwise": 0}
+    result = {"grad_err": 0.0, "losses": 0, "records": 0, "deferred": 0, "in_flight": 0, "bitwise": 0,
+              "left_to_autograd": 0}
     mismatches: list[str] = []  # a rank that finds one goes on with its peers, and raises at the end
     for step in range(2):
         ours.clear()
@@ -662,6 +671,7 @@ def contract_run(feature_name: str, schedule: str, path: str, ac: str) -> dict |
         if path != "torch":
             result["deferred"] += sum(sched.weight_policy.queue.ran.values())
             result["in_flight"] += sched.weight_policy.queue.ran_in_flight
+            result["left_to_autograd"] += sched.weight_policy.queue.left_to_autograd()
         for o in (*opts, ref_opt):
             o.step()
             o.zero_grad()

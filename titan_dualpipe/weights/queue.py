@@ -131,6 +131,10 @@ class WeightGradQueue:
         decided = self._worth.get(parameter)
         return self._worth.setdefault(parameter, flops >= least) if decided is None else decided
 
+    def left_to_autograd(self) -> int:
+        """How many parameters' weight GEMMs this step left to autograd as too small."""
+        return sum(not worth for worth in self._worth.values())
+
     def defer(self, root: Root, gemm: Callable[[], torch.Tensor], kind: str = "linear",
               holds: tuple[torch.Tensor, ...] = ()) -> bool:
         """Queue ``gemm`` (the gradient of ``root``) for the backward running now; False when it is not
