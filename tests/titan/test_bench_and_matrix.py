@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from cases.titan_runs import REGISTRY, ROOT, config
 from titan_dualpipe.switches import FOLD_ENV
@@ -206,17 +205,14 @@ def test_deferred_gemm_count_in_the_log_is_this_ranks_per_stage() -> None:
     from titan_dualpipe.check import matrix
     from titan_dualpipe.titan.pipeline import _weight_gradients_note
 
-    from titan_dualpipe.weights.queue import WeightGradQueue
-
-    def schedule(least: int | None) -> SimpleNamespace:
+    def schedule(least: int) -> SimpleNamespace:
         return SimpleNamespace(weight_gradients="deferred", deferred_weights={3: ["a", "b"], 0: ["c", "d", "e", "f"]},
-                               weight_policy=SimpleNamespace(queue=WeightGradQueue(least)),
-                               _stages=[SimpleNamespace(device=torch.device("cpu"))])
+                               least_weight_gemm_flops=least)
 
     note = _weight_gradients_note(schedule(0))
     assert note == ("; on this rank 6 weight GEMMs per microbatch wait for W (stage 0: 4, stage 3: 2; deferred "
                     "weight gradients)")
-    assert _weight_gradients_note(schedule(None)) == (
+    assert _weight_gradients_note(schedule(8_000_000)) == (
         "; on this rank 6 weight GEMMs per microbatch wait for W (stage 0: 4, stage 3: 2; deferred weight gradients, "
         "those under 8,000,000 FLOPs computed at I)")
     assert matrix._weight_gradients(note) == "; deferred W: up to 6 weight GEMMs per microbatch on a rank"

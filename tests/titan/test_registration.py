@@ -101,6 +101,7 @@ class _RecordedSchedule:
     fsdp_at_step_edges = False
     two_batch_stages: frozenset = frozenset()
     deferred_weights: dict = {}
+    least_weight_gemm_flops = 0
 
     def __init__(self, stages: list, **kwargs) -> None:
         self.kwargs = kwargs

@@ -237,6 +237,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         return self.weight_policy.mode
 
     @property
+    def least_weight_gemm_flops(self) -> int:
+        """The least FLOPs of a weight GEMM that defers on this rank's stages' device (0: every one)."""
+        return self.weight_policy.queue.least_flops(self._stages[0].device)
+
+    @property
     def deferred_weights(self) -> dict[int, list[str]]:
         """By deferring stage, the modules whose weight GEMMs wait for ``W``."""
         return self.weight_policy.deferred_weights

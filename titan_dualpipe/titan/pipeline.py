@@ -230,7 +230,7 @@ def _weight_gradients_note(schedule: Any) -> str:
     # per rank: this rank's stages only (every rank logs its own line), each stage's count named
     per_stage = {stage: len(names) for stage, names in sorted(schedule.deferred_weights.items())}
     stages = ", ".join(f"stage {stage}: {count}" for stage, count in per_stage.items())
-    least = schedule.weight_policy.queue.least_flops(schedule._stages[0].device)
+    least = schedule.least_weight_gemm_flops
     smaller = f", those under {least:,} FLOPs computed at I" if least else ""
     return (f"; on this rank {sum(per_stage.values())} weight GEMMs per microbatch wait for W "
             f"({stages}; deferred weight gradients{smaller})")
