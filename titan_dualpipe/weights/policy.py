@@ -1,9 +1,9 @@
 """The weight-gradient policy a schedule holds: which stages defer, and each step's plan.
 
 :class:`WeightGradients` is built from the schedules' ``weight_gradients``, ``not_deferred``,
-``min_weight_gemm_flops`` and ``weight_gemms_in_flight`` options: it installs deferral on the stages that can take it, keeps them
-routed to its queue, and for each step reads from the order which forwards defer and hands the
-executor a :class:`~.plan.BackwardPlan`.
+``min_weight_gemm_flops`` and ``weight_gemms_in_flight`` options: it installs deferral on the stages
+that can take it, keeps them routed to its queue, and for each step reads from the order which
+forwards defer and hands the executor a :class:`~.plan.BackwardPlan`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._compat.pipelining import B, I, OVERLAP_F_B, W, _Action
 from ..orders.errors import PipelineConfigError
-from ..switches import MIN_FLOPS_ENV
 from ..orders.placement import Placement
+from ..switches import MIN_FLOPS_ENV
 from .install import compiled_hooks_problem, install, routed_to, uninstall
 from .plan import BackwardPlan, Key, whole_backward_reason
 from .queue import WeightGradQueue

@@ -84,8 +84,8 @@ class WeightGradQueue:
 
     def __getstate__(self) -> dict:
         return {"min_flops": self.min_flops, "target": None, "defers_forwards": False, "_pending": {}, "_casts": {},
-                "_anchors": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(), "ran_in_flight": 0,
-                "_seconds": {}, "_worth": {}, "on_hold": None}
+                "_anchors": {}, "ran": Counter(), "ran_kinds": Counter(), "ran_microbatches": Counter(),
+                "ran_in_flight": 0, "_seconds": {}, "_worth": {}, "on_hold": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -121,13 +121,13 @@ class WeightGradQueue:
 
     def worth_deferring(self, root: Root, flops: int, device: torch.device) -> bool:
         """Whether the weight GEMMs into ``root``'s parameter defer this step: whether its first, of
-        ``flops`` on ``device``, was large enough. A smaller one is computed by autograd in its backward (its
-        nodes would cost more than moving it can save); one answer per step and parameter keeps its
-        accumulation whole (sub-batches and experts see other token counts)."""
+        ``flops`` on ``device``, was large enough. A smaller one is computed by autograd in its
+        backward (its nodes would cost more than moving it can save); one answer per step and
+        parameter keeps its accumulation whole (sub-batches and experts see other token counts)."""
         least = self.least_flops(device)
         if least <= 0:
             return True
-        parameter = id(parameter_of(root))
+        parameter = id(_parameter_of(root))
         decided = self._worth.get(parameter)
         return self._worth.setdefault(parameter, flops >= least) if decided is None else decided
 
@@ -240,11 +240,11 @@ def _by_parameter(deferred: list[_Deferred]) -> list[list[_Deferred]]:
     operand's graph), groups in the order of their first entry, entries in queue order."""
     groups: dict[int, list[_Deferred]] = {}
     for d in deferred:
-        groups.setdefault(id(parameter_of(d.root)), []).append(d)
+        groups.setdefault(id(_parameter_of(d.root)), []).append(d)
     return list(groups.values())
 
 
-def parameter_of(root: Root) -> Any:
+def _parameter_of(root: Root) -> Any:
     """The leaf a root's gradient accumulates into: the parameter, or the end of an operand's chain of
     single-input nodes (slice, cast, transpose, ``to_local``); the edge's node where it branches."""
     if not isinstance(root, GradientEdge):
