@@ -17,6 +17,9 @@ from cases import contract_cases as cases
 from cases.dist_pool import WorkerPool, ran as _ran
 
 WORLD = cases.WORLD  # the module's pool (tests/conftest.py)
+# the paths whose Ws run queued weight GEMMs, and those whose full backwards compute them in flight
+DEFERRING_PATHS = ("I+W", "relay", "relay_fill", "relay_backward_first", "protocol", "small_gemms")
+FLYING_PATHS = ("relay", "relay_backward_first", "protocol", "two_batch", "small_gemms")
 
 
 def _table(schedule: str) -> list[str]:
@@ -56,10 +59,10 @@ def _check_table(pool, feature: str, schedule: str) -> None:
         if spec.records:
             assert all(r["records"] > 0 for r in results), (combo, results)
         small_only = path == "small_gemms" and feature in cases.ALL_SMALL
-        if path in ("I+W", "relay", "relay_fill", "protocol", "small_gemms") and not small_only \
+        if path in DEFERRING_PATHS and not small_only \
                 and cases.LAYOUT[schedule][0] == spec.layout(schedule)[0]:
             assert sum(r["deferred"] for r in results) > 0, (combo, results)  # Ws ran queued GEMMs
-        if path in ("relay", "protocol", "two_batch", "small_gemms") and not small_only:
+        if path in FLYING_PATHS and not small_only:
             assert sum(r["in_flight"] for r in results) > 0, (combo, results)  # full backwards' GEMMs flew
         if path == "small_gemms" and feature not in cases.NONE_SMALL:  # the small ones stayed with autograd
             assert all(r["left_to_autograd"] > 0 for r in results), (combo, results)

@@ -374,6 +374,27 @@ def test_relayed_moe_pipeline_matches_reference_and_overlap_is_bitwise(pool, sch
     assert all(r["weight_gemms_in_flight"] > 0 for r in results), results
 
 
+@pytest.mark.parametrize("schedule,mode", [("DualPipeV", "backward"), ("DualPipe", "backward"),
+                                           ("DualPipeV", "measured"), ("DualPipe", "measured")])
+def test_which_half_runs_first_changes_no_bit(pool, schedule, mode):
+    """``pair_first``: the relayed MoE pipeline (EP 2, exchanges of 2 ms emulated) with the backward
+    first, or as measured in the second step, matches the reference and the forward-first run bit for
+    bit over three steps. "backward" starts every relay with its backward; "measured" decides after
+    the second step, the same on every rank, and from the third starts with its backward exactly the
+    relays of the kinds it chose."""
+    results = pool.run(cases.pair_first_numerics, schedule=schedule, n=4, mode=mode, latency_s=2e-3)
+    assert all(r["bitwise_tensors"] > 0 for r in results), results
+    assert sum(r["losses_checked"] for r in results) > 0, results
+    assert all(r["mismatched_relays"] == 0 for r in results), results
+    if mode == "backward":
+        assert all(min(r["first"]) > 0 for r in results), results
+        return
+    assert all(r["first"][:2] == [0, 0] for r in results), results  # measuring runs the forward first
+    chosen = [r["chosen"] for r in results]
+    assert chosen[0] is not None and all(c == chosen[0] for c in chosen), results  # decided, and agreed
+    assert all(r["savings"] for r in results), results  # the emulated exchanges gave every kind a figure
+
+
 @pytest.mark.parametrize("schedule,n,relay,checkpoint,fsdp,two_batch", [
     ("DualPipeV", 4, False, False, False, False), ("DualPipe", 4, False, True, False, False),
     ("DualPipeV", 5, True, True, False, False), ("DualPipe", 4, True, False, False, False),

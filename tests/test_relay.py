@@ -10,7 +10,8 @@ import torch
 
 from titan_dualpipe._compat.autograd import private_thread_state
 from titan_dualpipe.overlap import relay
-from titan_dualpipe.overlap.relay import PartnerFailed, hand_over, run_relayed
+from titan_dualpipe.exposure.record import start_recording, stop_recording
+from titan_dualpipe.overlap.relay import BACKWARD, FORWARD, PartnerFailed, hand_over, run_relayed
 
 
 def _half(name: str, parts: int, log: list, fail_at: int | None = None):
@@ -30,6 +31,37 @@ def test_halves_take_turns_at_hand_overs_forward_first():
     done = run_relayed(_half("F", 3, log), _half("B", 2, log))
     assert log == ["F0", "B0", "F1", "B1", "F2"]
     assert done.hand_overs == 3  # the last one found the backward half ended: no switch
+
+
+def test_halves_take_turns_at_hand_overs_backward_first():
+    log: list = []
+    done = run_relayed(_half("F", 3, log), _half("B", 2, log), first=BACKWARD)
+    assert log == ["B0", "F0", "B1", "F1", "F2"]
+    assert done.hand_overs == 2 and done.backward_started  # the forward's second found the backward ended
+
+
+def test_a_backward_first_that_never_hands_over_is_followed_by_its_forward():
+    log: list = []
+    done = run_relayed(_half("F", 2, log), lambda: log.append(threading.get_ident()), first=BACKWARD)
+    assert log[1:] == ["F0", "F1"] and log[0] != threading.get_ident() and done.hand_overs == 0
+
+
+def test_first_must_name_a_half():
+    with pytest.raises(ValueError, match="first must be FORWARD"):
+        run_relayed(lambda: None, lambda: None, first=2)
+    assert relay._active is None
+
+
+@pytest.mark.parametrize("first", [FORWARD, BACKWARD], ids=["forward_first", "backward_first"])
+def test_a_recorder_files_the_pair_under_its_kind_in_the_order_it_ran(first):
+    record = start_recording()
+    try:
+        run_relayed(_half("F", 2, []), _half("B", 2, []), first=first, kind=(3, 0))
+        (pair,) = record.take().pairs
+    finally:
+        stop_recording()
+    assert pair.kind == (3, 0)
+    assert pair.order == (first, 1 - first)  # no exchange posted: one segment per half
 
 
 def test_backward_half_runs_on_its_own_thread_with_the_callers_grad_mode():
@@ -72,6 +104,15 @@ def test_a_failing_half_stops_the_partner_at_its_next_hand_over_and_is_raised(fa
         run_relayed(forward, backward)
     # the partner computes nothing after the failure
     assert log == (["F0", "B0", "F1", "B1"] if failing == "F" else ["F0", "B0", "F1"])
+    assert relay._active is None
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_backward_first_that_fails_stops_the_forward_even_before_it_began(fail_at):
+    log: list = []
+    with pytest.raises(KeyError, match="B broke at part"):
+        run_relayed(_half("F", 3, log), _half("B", 3, log, fail_at=fail_at), first=BACKWARD)
+    assert log == ([] if fail_at == 0 else ["B0", "F0"])
     assert relay._active is None
 
 
@@ -153,7 +194,7 @@ class _CheckpointedDropoutBlocks(torch.nn.Module):
         return x
 
 
-def _dropout_pair(relayed: bool) -> dict:
+def _dropout_pair(relayed: bool, first: int = FORWARD) -> dict:
     """One pair: the forward of one stage module, the backward of another's earlier microbatch
     (as in DualPipe); then the forward half's own backward, whose recompute checks its masks."""
     torch.manual_seed(0)
@@ -169,7 +210,7 @@ def _dropout_pair(relayed: bool) -> dict:
         backward_loss.backward()
 
     if relayed:
-        got["hand_overs"] = run_relayed(forward_half, backward_half).hand_overs
+        got["hand_overs"] = run_relayed(forward_half, backward_half, first).hand_overs
     else:
         forward_half()
         backward_half()
@@ -179,10 +220,12 @@ def _dropout_pair(relayed: bool) -> dict:
     return got
 
 
-def test_checkpointed_dropout_under_the_relay_is_bitwise_equal_to_sequential_halves():
+@pytest.mark.parametrize("first", [FORWARD, BACKWARD], ids=["forward_first", "backward_first"])
+def test_checkpointed_dropout_under_the_relay_is_bitwise_equal_to_sequential_halves(first):
     """Each half draws from its own generator stream: a hand-over mid-recompute neither feeds the
-    forward half the recompute's state nor lets the recompute's restore undo the forward's draws."""
-    sequential, relayed = _dropout_pair(relayed=False), _dropout_pair(relayed=True)
+    forward half the recompute's state nor lets the recompute's restore undo the forward's draws;
+    which half runs first changes nothing."""
+    sequential, relayed = _dropout_pair(relayed=False), _dropout_pair(relayed=True, first=first)
     assert relayed["hand_overs"] == 6  # every block of both halves hands over
     assert torch.equal(relayed["output"], sequential["output"])
     assert torch.equal(relayed["rng_after_pair"], sequential["rng_after_pair"])
@@ -239,6 +282,30 @@ def _backward_draws(seed: int, forward_draws: int) -> torch.Tensor:
     torch.manual_seed(seed)
     run_relayed(forward, lambda: got.append(torch.rand(8)))
     return got[0]
+
+
+def test_each_half_draws_the_same_whichever_runs_first():
+    def pair(first: int) -> tuple:
+        draws: dict = {}
+
+        def forward() -> None:
+            draws["F"] = [torch.rand(3)]
+            hand_over()
+            draws["F"].append(torch.rand(3))
+
+        def backward() -> None:
+            draws["B"] = [torch.rand(3)]
+            hand_over()
+            draws["B"].append(torch.rand(3))
+
+        torch.manual_seed(7)
+        run_relayed(forward, backward, first)
+        return torch.cat(draws["F"]), torch.cat(draws["B"]), torch.get_rng_state()
+
+    forward_first, backward_first = pair(FORWARD), pair(BACKWARD)
+    assert all(torch.equal(a, b) for a, b in zip(forward_first, backward_first, strict=True))
+    torch.manual_seed(7)
+    assert torch.equal(forward_first[0], torch.rand(6))  # the forward draws the caller's stream
 
 
 def test_the_backward_halfs_stream_is_seeded_by_the_state_the_pair_starts_from():

@@ -3,8 +3,9 @@
 One table of autograd features (:data:`FEATURES`). Each feature runs under both schedules, every
 backward path (:data:`PATHS`: whole backwards; I + W with deferred weight GEMMs; relayed pairs and
 protocol pairs, whose full backwards compute their weight GEMMs while their exchanges fly; relayed
-pairs with those GEMMs as fillers, ``weight_gemms_in_flight="fill"``, AC none and full; relayed
-pairs whose small weight GEMMs stay with autograd, ``min_weight_gemm_flops``; two-batch halves) and every activation-checkpointing mode, two training steps with an Adam step between,
+pairs with those GEMMs as fillers, ``weight_gemms_in_flight="fill"``, or started with their
+backward half, ``pair_first="backward"``, both AC none and full; relayed pairs whose small weight
+GEMMs stay with autograd, ``min_weight_gemm_flops``; two-batch halves) and every activation-checkpointing mode, two training steps with an Adam step between,
 against plain autograd: per-microbatch losses and every parameter's gradient on every rank, and
 what the feature's hooks saw. DualPipeV also runs torch's ``ScheduleDualPipeV`` on the same model
 where torch's trains it, and compares gradients with it.
@@ -439,6 +440,8 @@ PATHS: dict[str, tuple[dict, type, bool]] = {
     "I+W": ({"overlap": False}, Part, False),
     "relay": ({"overlap": True}, Part, True),
     "relay_fill": ({"overlap": True, "weight_gemms_in_flight": "fill"}, ArrivingPart, True),
+    # every relayed pair started with its backward half (docs/overlap.md#which-half-first)
+    "relay_backward_first": ({"overlap": True, "pair_first": "backward"}, Part, True),
     # the relay with the parts' first layer (2 x 6 tokens x 8 x 8 = 768 FLOPs) under the least FLOPs of
     # a deferred GEMM, its block's (1,536) over: at I and in flight, some GEMMs wait, some do not
     "small_gemms": ({"overlap": True, "min_weight_gemm_flops": SMALL_GEMM_FLOPS}, Part, True),
@@ -448,7 +451,7 @@ PATHS: dict[str, tuple[dict, type, bool]] = {
 TORCH_PATH = ({}, Part, False)  # torch's ScheduleDualPipeV
 # Under AC a relayed backward's recomputation lets its partner end first, and with no partner waiting
 # fillers compute what the relay path does: selective AC would repeat full's case
-PATH_AC_MODES = {"relay_fill": ("none", "full")}
+PATH_AC_MODES = {"relay_fill": ("none", "full"), "relay_backward_first": ("none", "full")}
 
 
 # -- one run --------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def _is_expert(name: str) -> bool:
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
           reshard_after_forward: bool | None = None, weight_gemms_in_flight: bool = True, exchange_chunks: int = 1,
-          ) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
+          pair_first: str = "forward") -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place; ``exchange_chunks``: both models'."""
     topo = topology(COMPILE_GROUP_TIMEOUT_S) if compile_backend else topology()  # topology() is the others' key
@@ -96,7 +96,7 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp:
         sched = runnable_on_gloo(schedule_cls(stages, n, loss_fn=lm_loss))
     else:
         sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch,
-                                    weight_gemms_in_flight=weight_gemms_in_flight)
+                                    weight_gemms_in_flight=weight_gemms_in_flight, pair_first=pair_first)
     return reference, modules, sched, comm
 
 
@@ -378,8 +378,8 @@ def _counting_hand_overs() -> Iterator[list]:
     relays: list = []
     real = pair_module.run_relayed
 
-    def recorded(forward_half, backward_half):
-        done = real(forward_half, backward_half)
+    def recorded(forward_half, backward_half, *args, **kwargs):
+        done = real(forward_half, backward_half, *args, **kwargs)
         relays.append(done)
         return done
 
@@ -388,6 +388,50 @@ def _counting_hand_overs() -> Iterator[list]:
         yield relays
     finally:
         pair_module.run_relayed = real
+
+
+def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0, steps: int = 3) -> dict:
+    """The relayed MoE pipeline with ``pair_first=mode`` and with the forward first: each the
+    reference's losses and gradients, and each other's bit for bit, over ``steps`` steps with Adam
+    between; ``latency_s``: every exchange takes that long (an emulated network: times known, as
+    "measured" needs). Returns, per step, how many relays ran each half first, and under "measured"
+    the kinds chosen after the second step (compared across ranks by the test)."""
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    runs = {first: build(schedule, n, overlap=True, checkpoint=False, fsdp=False, module_cls=RelayedMoETransformer,
+                         pair_first=first) for first in (mode, "forward")}
+    reference = runs[mode][0]
+    for _, _, _, comm in runs.values() if latency_s else ():
+        comm.network = EmulatedNetwork(latency_s)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opts = [torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2) for r in runs.values()]
+    result: dict[str, Any] = {"grad_err": 0.0, "bitwise_tensors": 0, "losses_checked": 0, "first": [], "chosen": None,
+                              "mismatched_relays": 0}
+    order = runs[mode][2].pair_order
+    for step in range(steps):
+        want = _reference_losses(reference, step, n, ep_index)
+        x, y = batch(step, n, ep_index)
+        got = {}
+        for first, (_, modules, sched, _) in runs.items():
+            chosen = set(order.backward_first) if first == mode else set()
+            with _counting_hand_overs() as relays:
+                losses = _step(sched, modules, place, x, y)
+            got[first == mode] = _checked_against_reference(modules, reference, losses, want, False, first, step,
+                                                             result)
+            if first == mode:
+                result["first"].append(sum(r.first for r in relays))  # relays that ran backward first
+                kinds = [(r.first, r.kind) for r in relays]
+                expected = 1 if mode == "backward" else None
+                result["mismatched_relays"] += sum(
+                    f != (expected if expected is not None else int(k in chosen)) for f, k in kinds)
+        result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: pair_first={mode}")
+        for opt in (*opts, ref_opt):
+            opt.step()
+            opt.zero_grad()
+    if order.savings is not None:
+        result["chosen"] = sorted(order.backward_first)
+        result["savings"] = sorted(order.savings.items())
+    return result
 
 
 def _check_grads(modules, reference, overlap: bool, step: int) -> float:

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from cases.titan_runs import REGISTRY, job_config
-from titan_dualpipe.switches import (NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, TWO_BATCH_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV,
-                                     WEIGHT_GRADIENTS_ENV)
+from titan_dualpipe.switches import (NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV,
+                                     WEIGHT_GEMMS_IN_FLIGHT_ENV, WEIGHT_GRADIENTS_ENV)
 
 
 def test_schedule_names_resolve_case_insensitively_and_others_unchanged() -> None:
@@ -223,6 +223,28 @@ def test_weight_gradient_switches_reach_the_schedule_built(field, env, names, ex
     monkeypatch.delenv(OLD_WEIGHTS_IN_FLIGHT_ENV)
     monkeypatch.setenv(WEIGHT_GRADIENTS_ENV, "later")
     with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_WEIGHT_GRADIENTS='later': use one of deferred, deferred_compiled, split, whole"):
+        _built_with(monkeypatch)
+
+
+# (config field (0.3.0), TITAN_DUALPIPE_PAIR_FIRST, what the schedule gets): the variable wins
+PAIR_FIRST_CASES = [(None, None, "forward"), (None, "measured", "measured"), ("backward", None, "backward"),
+                    ("backward", "forward", "forward")]
+
+
+@pytest.mark.parametrize("field,env,expected", PAIR_FIRST_CASES)
+def test_pair_first_reaches_the_schedule_built(field, env, expected, monkeypatch, active_run_kept):
+    """``dualpipe.pair_first`` (0.3.0) and ``TITAN_DUALPIPE_PAIR_FIRST`` (both releases) become our
+    class's ``pair_first``; a bad value is named with the choices."""
+    if field and not REGISTRY:
+        pytest.skip("0.2.2 has no config key for pair_first")
+    if env is None:
+        monkeypatch.delenv(PAIR_FIRST_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PAIR_FIRST_ENV, env)
+    built = _built_with(monkeypatch, *(["--dualpipe.pair-first", field] if field else []))
+    assert built.kwargs["pair_first"] == expected
+    monkeypatch.setenv(PAIR_FIRST_ENV, "sideways")
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_PAIR_FIRST='sideways': use one of forward, backward, measured"):
         _built_with(monkeypatch)
 
 

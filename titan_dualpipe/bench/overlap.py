@@ -268,14 +268,20 @@ def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
     }
 
 
+MEASURED_FIRST = "relay_measured_first"  # the relay, each kind of pair started with the half measured to expose less
+
+
 def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
-    """Overlap and two-batch overlap as a relay, each on its own copy."""
+    """Overlap and two-batch overlap as a relay, and the relay with ``pair_first="measured"``,
+    each on its own copy."""
     from .. import ScheduleDualPipeV
 
     feeds = parts.pp_rank == 0
     return {
         "overlap_relay": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
                                             overlap=True), feeds),
+        MEASURED_FIRST: (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
+                                           overlap=True, pair_first="measured"), feeds),
         "relay_two_batch": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
                                               overlap=True, two_batch_overlap=True), feeds),
     }
@@ -380,8 +386,8 @@ def _worker(cfg: dict) -> dict:
     def modules_of(name: str) -> Callable[[], list]:
         return lambda: [stage.submod for stage in schedules[name][0]._stages]
 
-    for name in names:  # warm-up: shape inference, allocator
-        _timed_steps(*schedules[name], x, y, 1, comm, modules_of(name))
+    for name in names:  # warm-up: shape inference, allocator; "measured" measures its second step
+        _timed_steps(*schedules[name], x, y, 2 if name == MEASURED_FIRST else 1, comm, modules_of(name))
     # The floor needs the host's clock to time the segments: CPU runs only (a GPU's kernels run
     # behind the host, on streams the recorder does not see).
     record = start_recording() if _device().type == "cpu" else None

@@ -28,7 +28,7 @@ from typing import Any
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
 from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_GROUPS_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV, FOLD_ENV,
-                        MIN_FLOPS_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
+                        MIN_FLOPS_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -49,6 +49,7 @@ class Variant:
     # False: a full backward computes its weight GEMMs inline, not while its exchanges fly; "fill": as fillers
     weight_gemms_in_flight: bool | str = True
     min_weight_gemm_flops: int | None = None  # the least FLOPs of a deferred weight GEMM (None: the device's default)
+    pair_first: str = "forward"  # which half of a relayed pair runs first (docs/overlap.md#which-half-first)
 
 
 VARIANTS = (
@@ -80,12 +81,18 @@ VARIANTS = (
     # every weight GEMM deferred, the small ones too (docs/weight_gradients.md#small-gemms)
     Variant("DualPipeV W all deferred", "DualPipeV", overlap=True, min_weight_gemm_flops=0),
     Variant("DualPipe W all deferred", "DualPipe", overlap=True, min_weight_gemm_flops=0),
+    # relayed pairs started with their backward half, always or where the second step measures it exposes less
+    Variant("DualPipeV backward first", "DualPipeV", overlap=True, pair_first="backward"),
+    Variant("DualPipe backward first", "DualPipe", overlap=True, pair_first="backward"),
+    Variant("DualPipeV measured first", "DualPipeV", overlap=True, pair_first="measured"),
+    Variant("DualPipe measured first", "DualPipe", overlap=True, pair_first="measured"),
 )
 BY_LABEL = {v.label: v for v in VARIANTS}
 # the others are comparison runs, on request (two-batch: with microbatches of >= 2 rows)
 DEFAULT_LABELS = [v.label for v in VARIANTS
                   if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups
-                          or v.weight_gemms_in_flight is not True or v.min_weight_gemm_flops is not None)]
+                          or v.weight_gemms_in_flight is not True or v.min_weight_gemm_flops is not None
+                          or v.pair_first != "forward")]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -200,7 +207,8 @@ class Launcher:
         env = {**os.environ, BENCH_DIR_ENV: str(out), EXCHANGE_S_ENV: repr(exchange_s),
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
                TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0",
-               WEIGHT_GEMMS_IN_FLIGHT_ENV: _in_flight_env(variant.weight_gemms_in_flight)}
+               WEIGHT_GEMMS_IN_FLIGHT_ENV: _in_flight_env(variant.weight_gemms_in_flight),
+               PAIR_FIRST_ENV: variant.pair_first}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         if variant.min_weight_gemm_flops is not None:
             env[MIN_FLOPS_ENV] = str(variant.min_weight_gemm_flops)

@@ -89,7 +89,8 @@ class PairTrace:
     """One pair (or two-batch halves) as it ran: each half's segments, the order they ran in
     (the half of each segment), the measured waits of each half, and when the pair ran;
     ``late``: seconds of the waits past the exchanges' own arrival (a peer posting late, a sleep
-    woken late), which the floor's model does not see."""
+    woken late), which the floor's model does not see; ``kind``: what the runtime filed it under
+    (a relayed pair's stages), None where it filed it under nothing."""
 
     halves: tuple[tuple[Segment, ...], ...]
     order: tuple[int, ...]
@@ -97,6 +98,7 @@ class PairTrace:
     start: float
     end: float
     late: float = 0.0
+    kind: tuple[int, ...] | None = None
 
     @property
     def waited_s(self) -> float:
@@ -105,13 +107,13 @@ class PairTrace:
     def to_json(self) -> dict[str, Any]:
         return {"halves": [[_segment_json(s) for s in half] for half in self.halves], "order": list(self.order),
                 "waits": [[list(w) for w in half] for half in self.waits], "start": self.start, "end": self.end,
-                "late": self.late}
+                "late": self.late, "kind": None if self.kind is None else list(self.kind)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PairTrace:
         return cls(tuple(tuple(_segment_from(s) for s in half) for half in data["halves"]), tuple(data["order"]),
                    tuple(tuple((a, b) for a, b in half) for half in data["waits"]), data["start"], data["end"],
-                   data["late"])
+                   data["late"], None if data.get("kind") is None else tuple(data["kind"]))
 
 
 @dataclass
@@ -154,15 +156,18 @@ class ExposureRecorder:
         self._pairs: list[PairTrace] = []
         self._pair: list[HalfTrace] | None = None
         self._pair_start = 0.0
+        self._kind: tuple[int, ...] | None = None
         self._lone = HalfTrace()
         self._lone.run(clock())
         self._current = self._lone
 
     # -- a pair
-    def open_pair(self) -> bool:
-        """Start recording a pair; False (and nothing recorded for it) when one is open already."""
+    def open_pair(self, kind: tuple[int, ...] | None = None) -> bool:
+        """Start recording a pair (filed under ``kind``); False (and nothing recorded for it) when
+        one is open already."""
         if self._pair is not None:
             return False
+        self._kind = kind
         now = self.clock()
         self._lone.stop(now)
         counter = itertools.count()
@@ -193,7 +198,7 @@ class ExposureRecorder:
         ran = sorted((begun, h) for h, half in enumerate(halves) for begun in half.begun)
         self._pairs.append(PairTrace(tuple(tuple(h.segments) for h in halves), tuple(h for _, h in ran),
                                      tuple(tuple(h.waits) for h in halves), self._pair_start, now,
-                                     sum(h.late for h in halves)))
+                                     sum(h.late for h in halves), self._kind))
         self._pair, self._current = None, self._lone
         self._lone.run(now)
 
@@ -208,6 +213,14 @@ class ExposureRecorder:
         """A wait for an exchange from ``start`` to ``end``; ``late``: seconds of it past the
         exchange's own arrival (the emulated time), which the floor does not model."""
         self._current.waited(start, end, late)
+
+    def closed_pairs(self) -> int:
+        """How many pairs closed since the last :meth:`take`: a mark for :meth:`pairs_since`."""
+        return len(self._pairs)
+
+    def pairs_since(self, mark: int) -> list[PairTrace]:
+        """The pairs closed since ``mark`` (:meth:`closed_pairs`), leaving them to :meth:`take`."""
+        return self._pairs[mark:]
 
     def take(self) -> StepTrace:
         """The step recorded since the last call (its pairs closed by now); the next starts."""

@@ -4,7 +4,8 @@
 (:mod:`.schedules`), hands the pair to the stage modules' protocol
 (:class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`) inside torch's own forward
 and backward bookkeeping, or else runs its halves as a relay (:mod:`~titan_dualpipe.overlap.relay`),
-posting the forward's pipeline send as soon as the forward half ends. Its results are bitwise
+the half the schedule's ``pair_first`` names first (:mod:`.pair_first`), posting the forward's
+pipeline send as soon as the forward half ends. Its results are bitwise
 equal to :func:`~titan_dualpipe.runtime.pairs.run_pair_sequentially` (``overlap=False``): the
 forward, then the backward, sends after both. See docs/overlap.md.
 """
@@ -18,7 +19,8 @@ from .._compat.pipelining import SEND_F, _Action, input_grads, stage_backward_re
 from ..runtime.executor import StepExecutor
 from .comm import warn_once_if_exchange_traced
 from .protocol import overlap_implementation
-from .relay import run_relayed
+from .pair_first import PairFirst
+from .relay import FORWARD, run_relayed
 
 
 def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
@@ -34,7 +36,10 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
             executor.run_forward(forward)
             executor.post_send_early(_Action(forward.stage_index, SEND_F, forward.microbatch_index))
 
-        run_relayed(forward_half, lambda: executor.run_backward(backward))
+        order = executor.view.pair_order
+        first = FORWARD if order is None else order.first(forward, backward)
+        run_relayed(forward_half, lambda: executor.run_backward(backward), first,
+                    kind=PairFirst.kind(forward, backward))
         warn_once_if_exchange_traced()
         return
 

@@ -3,9 +3,10 @@
 A pair's forward action runs on the calling thread, its backward action on a long-lived helper
 thread, never both at once. A half that has just posted an exchange calls :func:`hand_over`
 before waiting on it, and the other half computes until it hands over in turn (or ends), so the
-exchange flies behind the partner's compute. The backward half starts at the forward's first
-hand-over; the forward's pipeline send is posted as it ends. Only hand-overs switch halves, so
-the interleaving is the same on every rank and each half computes exactly what it computes alone.
+exchange flies behind the partner's compute. One half runs first (the forward unless told
+otherwise: :mod:`.pair_first`) and the other starts at its first hand-over; the forward's pipeline
+send is posted as it ends. Only hand-overs switch halves, so given the first half the interleaving
+is the same on every rank, and each half computes exactly what it computes alone.
 The helper thread runs in the caller's thread-local state, each half draws random numbers from a
 stream of its own, and a recording benchmark is told when each half runs, stops and ends. Who
 hands over, thread state, random numbers, failures: docs/overlap.md#the-relay; what is recorded:
@@ -46,12 +47,15 @@ class PartnerFailed(RuntimeError):
 class Relay:
     """The baton of one pair: which half may compute, passed at each hand-over."""
 
-    def __init__(self, start_backward: Callable[[], None]) -> None:
+    def __init__(self, start_backward: Callable[[], None], first: int = FORWARD,
+                 kind: tuple[int, ...] | None = None) -> None:
         self._cond = threading.Condition()
         self._forward_thread = threading.get_ident()
         self._start_backward = start_backward
         self.backward_started = False
-        self._turn = FORWARD
+        self.first = first  # the half that runs first
+        self.kind = kind  # what the runtime filed the pair under (a relayed pair's stages)
+        self._turn = first
         self._ended = [False, False]
         self._errors: list[BaseException] = []  # in the order they were raised
         self.hand_overs = 0  # switches to a running partner, for tests and tracing
@@ -98,26 +102,45 @@ class Relay:
             raise PartnerFailed(f"the {_HALF_NAMES[1 - me]} half of this pair raised; the {_HALF_NAMES[me]} half stops")
 
     def _switch_rng(self, me: int, other: int) -> None:
-        """Park this half's generator states and resume the partner's (a backward half that
-        has not run yet starts its own stream)."""
+        """Park this half's generator states and resume the partner's (a half that has not run
+        yet starts its stream)."""
         self._rng[me] = _rng_states(self._accelerator)
-        partner = self._rng[other]
-        _set_rng_states(partner if partner is not None else _forked(self._rng[me], self._rng_at_start))
+        self._resume_rng(other)
+
+    def _resume_rng(self, half: int) -> None:
+        """Set ``half``'s generator states: where it stopped, or where its stream starts (the
+        forward's: the caller's at the pair's start; the backward's: a stream of its own, seeded
+        from those), whichever half runs first."""
+        parked = self._rng[half]
+        if parked is None and half == FORWARD:
+            parked = self._rng_at_start
+        elif parked is None:
+            parked = _forked(_rng_states(self._accelerator), self._rng_at_start)
+        _set_rng_states(parked)
 
     def _rng_at_end(self, half: int) -> None:
         """Leave the generators to the half that goes on, or where the forward ended."""
-        if half == FORWARD:
-            self._rng[FORWARD] = _rng_states(self._accelerator)
-            if not self._ended[BACKWARD]:
-                _set_rng_states(self._rng[BACKWARD])
-        elif self._rng[FORWARD] is not None:
+        self._rng[half] = _rng_states(self._accelerator)
+        other = 1 - half
+        if not self._ended[other]:
+            self._resume_rng(other)
+        elif half == BACKWARD:
             _set_rng_states(self._rng[FORWARD])
+
+    def start_backward_first(self) -> None:
+        """On the forward's thread: start the backward half on its stream and wait until it hands
+        over (or ends); raises :class:`PartnerFailed` where it raised."""
+        self.backward_started = True
+        self._resume_rng(BACKWARD)
+        self._start_backward()
+        self.wait_turn(FORWARD)
 
     def wait_turn(self, half: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._turn == half)
             if self.record is not None:
                 self.record.run(half)
+            self._raise_if_partner_failed(half)
 
     def end(self, half: int, error: BaseException | None) -> None:
         with self._cond:
@@ -173,11 +196,16 @@ def running_half() -> str | None:
     return None if relay is None else _HALF_NAMES[relay._half()]
 
 
-def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], None]) -> Relay:
-    """Run both halves as a relay (see the module docstring); returns the finished relay."""
+def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], None], first: int = FORWARD,
+                kind: tuple[int, ...] | None = None) -> Relay:
+    """Run both halves as a relay (see the module docstring), ``first`` (:data:`FORWARD` or
+    :data:`BACKWARD`) until its first hand-over; returns the finished relay. ``kind``: what a
+    recording benchmark files the pair under (:mod:`.pair_first` measures by it)."""
     global _active
     if _active is not None:
         raise RuntimeError("a relayed pair is already running in this process: pairs do not nest")
+    if first not in (FORWARD, BACKWARD):
+        raise ValueError(f"first must be FORWARD ({FORWARD}) or BACKWARD ({BACKWARD}), got {first!r}")
     caller_state = _thread_state()  # before anything runs: it refuses what cannot be carried
     backward_ended = threading.Event()
 
@@ -192,15 +220,18 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
         relay.end(BACKWARD, error)
         backward_ended.set()
 
-    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job))
+    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job), first=first, kind=kind)
     record = recorder()
-    if record is not None and record.open_pair():
+    if record is not None and record.open_pair(kind):
         relay.record = record
-        record.run(FORWARD)
+        if first == FORWARD:
+            record.run(FORWARD)
     _active = relay
     try:
         error = None
         try:
+            if first == BACKWARD:
+                relay.start_backward_first()
             forward_half()
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the partner ended
             error = err

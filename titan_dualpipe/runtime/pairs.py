@@ -11,7 +11,7 @@ dependencies run one way: orders -> runtime -> overlap.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 from .._compat.pipelining import _Action
 
@@ -22,6 +22,31 @@ if TYPE_CHECKING:
 class PairRunner(Protocol):
     def __call__(self, executor: "StepExecutor", forward: _Action, backward: _Action) -> None:
         """Run both halves; results must equal the forward, then the backward, bit for bit."""
+
+
+PAIR_FIRST = ("forward", "backward", "measured")
+
+
+class PairOrder(Protocol):
+    """What the overlapped runner reads of the ``pair_first`` option (the schedules the package
+    exports build one: :class:`titan_dualpipe.overlap.pair_first.PairFirst`)."""
+
+    def first(self, forward: _Action, backward: _Action) -> Any:
+        """The half of this pair that runs first."""
+
+    def step(self) -> ContextManager[None]:
+        """Entered around each step's actions (where a measuring order records and decides)."""
+
+
+def pair_first_problem(value: Any, overlap: bool) -> str:
+    """Why ``pair_first`` cannot be used with this ``overlap`` setting ("" when it can)."""
+    if not isinstance(value, str) or value not in PAIR_FIRST:
+        return (f"pair_first must be one of {', '.join(map(repr, PAIR_FIRST))} (which half of a relayed pair runs "
+                f"first), got {value!r}")
+    if value != "forward" and not overlap:
+        return (f"pair_first={value!r} needs overlap=True: without it a pair's halves run one after the other, "
+                "the forward first; pass overlap=True, or pair_first='forward'")
+    return ""
 
 
 def run_pair_sequentially(executor: "StepExecutor", forward: _Action, backward: _Action) -> None:

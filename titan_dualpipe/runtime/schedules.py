@@ -10,6 +10,7 @@ action (``_create_pair_communicators``), so none is created lazily mid-schedule.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any, Callable, ClassVar, Sequence
@@ -44,7 +45,7 @@ from .failures import named_for_every_rank, record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
 from .sub_batch_runner import SubBatchRunner, has_exchanges, two_batch_stages
-from .pairs import PairRunner, pair_runner
+from .pairs import PairOrder, PairRunner, pair_first_problem, pair_runner
 from .view import ScheduleView, StepOptions, TorchStepState
 from ..weights.in_flight import in_flight_mode_problem
 from ..weights.policy import WeightGradients, min_flops_option, weight_gradients_problem
@@ -118,6 +119,12 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       (:mod:`titan_dualpipe.weights.in_flight`); False computes them inline; ``"fill"`` computes
       only what fits before the exchange the pair waits on next arrives (fillers, where arrival
       times are known: the CPU's emulated exchanges). Same gradients.
+    - ``pair_first`` (default ``"forward"``): which half of a relayed pair (a pair whose stage
+      modules have no overlap protocol) runs first: ``"forward"``, ``"backward"``, or
+      ``"measured"``: per kind of pair (its two stages), the one that exposes less in the second
+      step's recorded segments, agreed by one all-reduce over the default process group (every rank
+      steps); only exchanges of known time (the CPU's emulated ones) measure, elsewhere the forward
+      (:mod:`titan_dualpipe.overlap.pair_first`).
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -130,6 +137,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     # imports titan_dualpipe.overlap); the classes the package exports (overlap/schedules.py) set both
     overlapped_pair_runner: ClassVar[PairRunner | None] = None
     sub_batch_runner: ClassVar[SubBatchRunner | None] = None
+    # builds the pair_first option's order, (mode, number of stages, device) -> PairOrder; set with the runners
+    pair_order_class: ClassVar[Callable[[str, int, torch.device], PairOrder] | None] = None
 
     @_renamed_keywords
     def __init__(
@@ -154,12 +163,15 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         not_deferred: Sequence[str] = (),
         min_weight_gemm_flops: int | None = None,
         weight_gemms_in_flight: bool | str = True,
+        pair_first: str = "forward",
         record_timeline: bool = False,
     ) -> None:
         weight_gradients_problem(weight_gradients, not_deferred, min_weight_gemm_flops)
         min_weight_gemm_flops = min_flops_option(min_weight_gemm_flops)  # the environment's, checked here
         if in_flight_mode_problem(weight_gemms_in_flight):
             raise PipelineConfigError(in_flight_mode_problem(weight_gemms_in_flight))
+        if pair_first_problem(pair_first, overlap):
+            raise PipelineConfigError(pair_first_problem(pair_first, overlap))
         pp = stages[0].group_size if isinstance(stages, (list, tuple)) and stages else 1
         problem = runtime_options_problem(self.schedule_name, pp, max_active_stages, unshard_lookahead,
                                           defer_reduce_grad_wait, max_outstanding_sends)
@@ -182,7 +194,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.max_active_stages, self.unshard_lookahead = max_active_stages, unshard_lookahead
         self.max_outstanding_sends = max_outstanding_sends
         self._map_stages_to_ranks()
-        self._choose_how_actions_run(overlap, split_stages, record_timeline)
+        self._choose_how_actions_run(overlap, split_stages, record_timeline, pair_first)
         self._choose_weight_gradients(weight_gradients, not_deferred, weight_gemms_in_flight, min_weight_gemm_flops)
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
@@ -214,12 +226,18 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             if place.bidirectional:
                 set_chain_ends(stage, first=place.is_first(stage.stage_index), last=place.is_last(stage.stage_index))
 
-    def _choose_how_actions_run(self, overlap: bool, split_stages: set[int], record_timeline: bool) -> None:
-        """Pairs overlapped or not, lone forwards as sub-batches, FSDP at the step's edges, whole backwards."""
+    def _choose_how_actions_run(self, overlap: bool, split_stages: set[int], record_timeline: bool,
+                                pair_first: str) -> None:
+        """Pairs overlapped or not (which half first), lone forwards as sub-batches, FSDP at the step's
+        edges, whole backwards."""
         self.record_timeline = record_timeline
         self.timeline: list[TimedAction] = []
         self.overlap = overlap
         self.pair_runner: PairRunner = pair_runner(overlap, type(self).overlapped_pair_runner)
+        order_class = type(self).pair_order_class
+        self.pair_order: PairOrder | None = None
+        if overlap and order_class is not None:
+            self.pair_order = order_class(pair_first, self.placement.num_stages, self._stages[0].device)
         self.two_batch_stages = split_stages
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
@@ -441,7 +459,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._reset_step_state(loss_kwargs)
         executor = StepExecutor(self._view(), self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
                                 return_outputs, failure_scope=scope)
-        executor.run(self.pipeline_order_with_comms[self.rank])
+        ordered = self.pair_order is not None and self._has_backward  # eval() runs no pairs
+        with self.pair_order.step() if ordered else contextlib.nullcontext():
+            executor.run(self.pipeline_order_with_comms[self.rank])
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
         with named_for_every_rank(scope, self.rank_name(), "after the last action"):
@@ -461,7 +481,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         compute_loss = self._compute_loss if self._loss_fn is not None else None
         return ScheduleView(self.rank, self.rank_name(), {s.stage_index: s for s in self._stages}, self._has_backward,
                             self.pipeline_order_with_comms, options, state, self.weight_policy, self.pair_runner,
-                            type(self).sub_batch_runner, self.two_batch_stages, compute_loss,
+                            self.pair_order, type(self).sub_batch_runner, self.two_batch_stages, compute_loss,
                             self._comp_type_to_function_map, self)
 
     def rank_name(self) -> str:

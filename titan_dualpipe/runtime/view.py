@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..weights import WeightGradients
-from .pairs import PairRunner
+from .pairs import PairOrder, PairRunner
 from .sub_batch_runner import SubBatchRunner
 
 
@@ -58,6 +58,7 @@ class ScheduleView:
     state: TorchStepState
     weights: WeightGradients
     pair_runner: PairRunner
+    pair_order: PairOrder | None  # which half of a relayed pair runs first (None: the forward)
     sub_batch_runner: SubBatchRunner | None
     two_batch_stages: set[int]
     compute_loss: Callable[..., torch.Tensor] | None  # (output, target, loss_kwargs); None without a loss_fn

@@ -24,6 +24,7 @@ class ActiveRun:
     two_batch: bool = False  # the config's two-batch overlap switch (0.3.0: dualpipe.two_batch_overlap)
     weight_gradients: str = "deferred"  # 0.3.0: dualpipe.weight_gradients
     not_deferred: list[str] = field(default_factory=list)  # 0.3.0: dualpipe.not_deferred
+    pair_first: str = "forward"  # 0.3.0: dualpipe.pair_first
     stages: list[Any] = field(default_factory=list)
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
     fold_window: FoldWindow = field(default_factory=FoldWindow)  # torchtitan's mesh lookups answer folded while open

@@ -64,6 +64,12 @@ class Generation:
         options = getattr(config, "dualpipe", None) if self.registry else None
         return getattr(options, "weight_gradients", "deferred"), list(getattr(options, "not_deferred", []))
 
+    def pair_first(self, config: Any) -> str:
+        """The config's ``dualpipe.pair_first`` (0.3.0; 0.2.2 has no key: the default, which the
+        environment may override, :func:`.pipeline.pair_first_option`)."""
+        options = getattr(config, "dualpipe", None) if self.registry else None
+        return getattr(options, "pair_first", "forward")
+
     def n_layers(self, config: Any) -> int | None:
         """The model's transformer layer count, as torchtitan's pipeline split counts it."""
         if self.registry:

@@ -19,8 +19,8 @@ import os
 import warnings
 from typing import Any, Callable
 
-from ..switches import (COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, TWO_BATCH_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV,
-                        WEIGHT_GRADIENTS_ENV)
+from ..switches import (COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV,
+                        WEIGHT_GEMMS_IN_FLIGHT_ENV, WEIGHT_GRADIENTS_ENV)
 from . import fold
 from .active import ACTIVE
 from .config_check import our_schedule
@@ -149,7 +149,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
                                     overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option(),
-                                    **weight_gradient_options())
+                                    pair_first=pair_first_option(), **weight_gradient_options())
     # torchtitan's validator reads the losses only: no microbatch's logits outlive their loss
     schedule.eval = functools.partial(schedule.eval, return_outputs=False)
     ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
@@ -165,7 +165,8 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
-        + _twins_note(name, par) + _two_batch_note(schedule, par) + _weight_gradients_note(schedule)
+        + _twins_note(name, par) + _two_batch_note(schedule, par) + _pair_first_note(schedule)
+        + _weight_gradients_note(schedule)
         + _count_communicators_note(count_twins)
     )
     return schedule
@@ -245,6 +246,27 @@ def two_batch_option() -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on) or 0 (off, the default)")
     return ACTIVE.two_batch or value == "1"
+
+
+def pair_first_option() -> str:
+    """Our schedules' ``pair_first``: ``TITAN_DUALPIPE_PAIR_FIRST`` where set, else the config's
+    (0.3.0: ``--dualpipe.pair-first``; 0.2.2: "forward")."""
+    from ..runtime.pairs import PAIR_FIRST
+
+    value = os.environ.get(PAIR_FIRST_ENV, "")
+    if value and value not in PAIR_FIRST:
+        raise ValueError(f"{PAIR_FIRST_ENV}={value!r}: use one of {', '.join(PAIR_FIRST)} (which half of a relayed "
+                         "pair runs first; forward is the default)")
+    return value or ACTIVE.pair_first
+
+
+def _pair_first_note(schedule: Any) -> str:
+    order = getattr(schedule, "pair_order", None)
+    if order is None or order.mode == "forward":
+        return ""
+    if order.mode == "backward":
+        return "; relayed pairs run their backward half first"
+    return "; relayed pairs run first the half the second step measures to expose less, per kind of pair"
 
 
 def _two_batch_note(schedule: Any, par: Any) -> str:

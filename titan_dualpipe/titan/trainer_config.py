@@ -4,7 +4,8 @@ torchtitan 0.3.0 has no config key for our schedules' ``overlap`` (0.2.2 reused 
 ``pipeline_parallel_expert_parallel_overlap``), ``two_batch_overlap`` or ``weight_gradients``, and
 its configs are dataclasses whose fields are the command line. :class:`DualPipeTrainer` is
 torchtitan's ``Trainer`` unchanged; its ``Config`` adds one section (:class:`DualPipeOptions`:
-``--dualpipe.no-overlap``, ``--dualpipe.two-batch-overlap``, ``--dualpipe.weight-gradients``, ...),
+``--dualpipe.no-overlap``, ``--dualpipe.two-batch-overlap``, ``--dualpipe.weight-gradients``,
+``--dualpipe.pair-first``, ...),
 which :func:`with_dualpipe` adds to a config of a ``config_registry``. A plain ``Trainer.Config``
 works with our schedules too, with the defaults. Usage: docs/torchtitan.md#in-your-own-config_registry-torchtitan-030.
 """
@@ -41,6 +42,12 @@ class DualPipeOptions:
     not_deferred: list[str] = field(default_factory=list)
     """Module names or fnmatch patterns inside a stage (e.g. "output", "layers.*.moe.*") whose
     weight GEMMs are not deferred. ``TITAN_DUALPIPE_NOT_DEFERRED`` (comma-separated) adds to it."""
+
+    pair_first: str = "forward"
+    """Which half of a relayed pair runs first: "forward", "backward", or "measured" (per kind of
+    pair, whichever exposes less in the second step, agreed over all ranks; only the CPU's emulated
+    exchanges have known times, elsewhere the forward). ``TITAN_DUALPIPE_PAIR_FIRST`` overrides it
+    (and sets it on torchtitan 0.2.2)."""
 
 
 class DualPipeTrainer(Trainer):

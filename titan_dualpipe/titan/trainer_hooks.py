@@ -42,6 +42,7 @@ def prepare(job_config: Any) -> None:
     ACTIVE.overlap = GEN.overlap(job_config)
     ACTIVE.two_batch = GEN.two_batch_overlap(job_config)
     ACTIVE.weight_gradients, ACTIVE.not_deferred = GEN.weight_gradients(job_config)
+    ACTIVE.pair_first = GEN.pair_first(job_config)
     if ACTIVE.plan is None:
         return
     if not cpu.accelerator_present():

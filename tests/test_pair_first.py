@@ -1,0 +1,65 @@
+"""Which half of a relayed pair runs first (``pair_first``): the choice from recorded segments, and
+the option's checks. The pipeline runs: tests/test_overlap.py::test_which_half_runs_first_changes_no_bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_dualpipe import ScheduleDualPipeV
+from titan_dualpipe.exposure.floor import Exchange, Segment
+from titan_dualpipe.exposure.record import PairTrace
+from titan_dualpipe.overlap.pair_first import backward_first_saves, savings_by_kind
+from titan_dualpipe.runtime.errors import PipelineConfigError
+from titan_dualpipe.runtime.pairs import pair_first_problem
+
+
+def _pair(forward: list[Segment], backward: list[Segment], kind: tuple[int, int] | None) -> PairTrace:
+    return PairTrace((tuple(forward), tuple(backward)), (), ((), ()), 0.0, 1.0, kind=kind)
+
+
+# The forward computes 1 s before its exchange (1 s), the backward 0.2 s before its own (1 s).
+# Forward first: F 0-1 (its exchange arrives at 2), B 1-1.2 (arrives at 2.2), F idles 0.8 s then
+# computes 2-2.1, B idles 0.1 s then computes 2.2-3.2: 0.9 s exposed. Backward first: B 0-0.2
+# (arrives at 1.2), F 0.2-1.2 (arrives at 2.2), B 1.2-2.2, F 2.2-2.3: nothing exposed.
+LONG_FORWARD = [Segment(1.0, Exchange(1.0)), Segment(0.1)]
+SHORT_BACKWARD = [Segment(0.2, Exchange(1.0)), Segment(1.0)]
+
+
+def test_starting_with_the_backward_saves_what_the_floors_model_says():
+    assert backward_first_saves(_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3))) == pytest.approx(0.9)
+    # the mirror image: starting with the backward costs as much
+    assert backward_first_saves(_pair(SHORT_BACKWARD, LONG_FORWARD, (0, 3))) == pytest.approx(-0.9)
+
+
+def test_savings_are_summed_per_kind_and_skip_what_has_no_kind_or_a_lone_half():
+    pairs = [_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3)), _pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3)),
+             _pair(SHORT_BACKWARD, LONG_FORWARD, (3, 0)), _pair(LONG_FORWARD, SHORT_BACKWARD, None),
+             _pair(LONG_FORWARD, [], (1, 2))]
+    saved = savings_by_kind(pairs, num_stages=4)
+    want = torch.zeros(16, dtype=torch.float64)
+    want[0 * 4 + 3], want[3 * 4 + 0] = 1.8, -0.9
+    torch.testing.assert_close(saved, want)
+
+
+def test_a_pair_without_exchanges_saves_nothing_either_way():
+    assert backward_first_saves(_pair([Segment(1.0)], [Segment(2.0)], (0, 1))) == 0.0
+
+
+@pytest.mark.parametrize("value,overlap,message", [
+    ("sideways", True, "pair_first must be one of 'forward', 'backward', 'measured'"),
+    (True, True, "got True"),
+    ("measured", False, "pair_first='measured' needs overlap=True"),
+    ("backward", False, "pass overlap=True, or pair_first='forward'"),
+])
+def test_a_bad_pair_first_is_named(value, overlap, message):
+    assert message in pair_first_problem(value, overlap)
+
+
+def test_forward_first_needs_nothing():
+    assert pair_first_problem("forward", False) == "" and pair_first_problem("measured", True) == ""
+
+
+def test_the_schedule_refuses_a_bad_pair_first_before_any_collective():
+    with pytest.raises(PipelineConfigError, match="pair_first must be one of"):
+        ScheduleDualPipeV([], 4, pair_first="sideways")  # no stages, no process group: checked first
