@@ -63,3 +63,20 @@ def test_forward_first_needs_nothing():
 def test_the_schedule_refuses_a_bad_pair_first_before_any_collective():
     with pytest.raises(PipelineConfigError, match="pair_first must be one of"):
         ScheduleDualPipeV([], 4, pair_first="sideways")  # no stages, no process group: checked first
+
+
+def test_fixed_modes_and_measured_before_it_decides():
+    from titan_dualpipe._compat.pipelining import _Action, _ComputationType
+    from titan_dualpipe.overlap.pair_first import PairFirst
+    from titan_dualpipe.overlap.relay import BACKWARD, FORWARD
+
+    forward = _Action(0, _ComputationType.FORWARD, 2)
+    backward = _Action(3, _ComputationType.FULL_BACKWARD, 0)
+    cpu = torch.device("cpu")
+    assert PairFirst("forward", 4, cpu).first(forward, backward) == FORWARD
+    assert PairFirst("backward", 4, cpu).first(forward, backward) == BACKWARD
+    measured = PairFirst("measured", 4, cpu)
+    with measured.step():  # the first step measures nothing: no recorder, no collective
+        pass
+    assert measured.first(forward, backward) == FORWARD and measured.savings is None
+    assert PairFirst.kind(forward, backward) == (0, 3)

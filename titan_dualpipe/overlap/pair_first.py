@@ -17,7 +17,8 @@ forward's stage and its backward's) from the run itself:
   which must be the same on every rank;
 - from the third step on, a kind whose summed saving is positive runs backward first.
 
-Only exchanges whose time is known (the CPU's emulated exchanges) give a saving; elsewhere every
+Only exchanges whose time is known (the CPU's emulated exchanges) give a saving, and only a CPU
+run's segments are timed (on a GPU the host's clock would time kernel launches); elsewhere every
 kind keeps the forward first. docs/overlap.md#which-half-first.
 """
 
@@ -67,6 +68,10 @@ class PairFirst:
         self._steps += 1
         if not measuring:
             yield
+            return
+        if self._device.type != "cpu":  # the host's clock would time kernel launches: no saving, forward first
+            yield
+            self._decide([])
             return
         own = recorder() is None  # a benchmark's recorder keeps recording; else one for this step
         record = start_recording() if own else recorder()
