@@ -80,3 +80,30 @@ def test_fixed_modes_and_measured_before_it_decides():
         pass
     assert measured.first(forward, backward) == FORWARD and measured.savings is None
     assert PairFirst.kind(forward, backward) == (0, 3)
+
+
+def test_measured_records_its_second_step_once_and_a_failed_one_again(monkeypatch):
+    """The measured step records with a recorder of its own (none is left behind) and decides after
+    it, through one all-reduce (here a stand-in); a step that raised decides nothing, and the next
+    one is measured instead."""
+    from titan_dualpipe.exposure import record as record_module
+    from titan_dualpipe.overlap import pair_first
+
+    reduced: list = []
+    monkeypatch.setattr(pair_first.dist, "all_reduce", lambda tensor: reduced.append(tensor.clone()))
+    order = pair_first.PairFirst("measured", 2, torch.device("cpu"))
+    seen: list = []
+    with order.step():  # the first step: not measured
+        seen.append(record_module.recorder())
+    with pytest.raises(KeyError):
+        with order.step():
+            seen.append(record_module.recorder())
+            raise KeyError("this step failed")
+    assert record_module.recorder() is None and order.savings is None and not reduced
+    with order.step():
+        seen.append(record_module.recorder())
+    assert seen[0] is None and seen[1] is not None and seen[2] is not None
+    assert record_module.recorder() is None and order.savings == {} and len(reduced) == 1
+    with order.step():  # decided: nothing more is recorded or reduced
+        seen.append(record_module.recorder())
+    assert seen[3] is None and len(reduced) == 1

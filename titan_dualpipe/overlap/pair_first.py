@@ -69,16 +69,14 @@ class PairFirst:
         if not measuring:
             yield
             return
-        if self._device.type != "cpu":  # the host's clock would time kernel launches: no saving, forward first
-            yield
-            self._decide([])
-            return
-        own = recorder() is None  # a benchmark's recorder keeps recording; else one for this step
-        record = start_recording() if own else recorder()
-        mark = record.closed_pairs()
+        # a CPU run's segments only: on a GPU the host's clock would time kernel launches (no saving there)
+        timed = self._device.type == "cpu"
+        own = timed and recorder() is None  # a benchmark's recorder keeps recording; else one for this step
+        record = start_recording() if own else recorder() if timed else None
+        mark = record.closed_pairs() if record is not None else 0
         try:
             yield
-            pairs = record.pairs_since(mark)
+            pairs = record.pairs_since(mark) if record is not None else []
         except BaseException:
             self._steps -= 1  # a failed step decides nothing: the next one is measured
             raise
