@@ -46,8 +46,8 @@ def _install_probe(out_dir: str) -> None:
     relayed = {"pairs": 0, "hand_overs": 0}
     run_relayed = pair.run_relayed
 
-    def counted_run_relayed(forward_half, backward_half):
-        done = run_relayed(forward_half, backward_half)
+    def counted_run_relayed(forward_half, backward_half, *args, **kwargs):
+        done = run_relayed(forward_half, backward_half, *args, **kwargs)
         relayed["pairs"] += 1
         relayed["hand_overs"] += done.hand_overs
         return done

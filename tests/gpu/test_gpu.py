@@ -277,8 +277,8 @@ def test_relay_halves_switch_on_the_right_device_and_stream():
     runs, hand_overs = [], []
     run_relayed = pair_module.run_relayed
 
-    def counted(forward_half, backward_half):
-        relay = run_relayed(forward_half, backward_half)
+    def counted(forward_half, backward_half, *args, **kwargs):
+        relay = run_relayed(forward_half, backward_half, *args, **kwargs)
         hand_overs.append(relay.hand_overs)
         return relay
 
