@@ -301,18 +301,21 @@ def test_pair_communicators_are_created_before_the_first_action(pool, schedule, 
     _completes_lazy_and_eager(trace)
 
 
-@pytest.mark.parametrize("module", ["ours", "relay", "titan"])
+@pytest.mark.parametrize("module,pair_first", [("ours", "forward"), ("relay", "forward"), ("titan", "forward"),
+                                               ("relay", "backward"), ("titan", "backward")],
+                         ids=["ours", "relay", "titan", "relay-backward_first", "titan-backward_first"])
 @pytest.mark.parametrize("schedule,n", [("DualPipeV", 4), ("DualPipe", 4)])
-def test_recorded_moe_step_completes_without_buffering(pool, schedule, n, module):
+def test_recorded_moe_step_completes_without_buffering(pool, schedule, n, module, pair_first):
     """Expert parallel x pipeline (pp=2 x ep=2), overlap on: our MoE module (its protocol, and as
-    a relay) and torchtitan's MoE layer through the relay. The first step's traffic, expert-parallel
-    exchanges from both threads of a relay included, completes under NCCL's semantics with every
-    communicator created at its first use, the pair communicators before the first action.
-    torchtitan's token counts go on their own communicator, and some are read while the partner
-    half's token exchange is in flight (2 MoE blocks per part: the second block's count exchange)."""
+    a relay) and torchtitan's MoE layer through the relay, the relay's pairs started with either
+    half (``pair_first``). The first step's traffic, expert-parallel exchanges from both threads of
+    a relay included, completes under NCCL's semantics with every communicator created at its first
+    use, the pair communicators before the first action. torchtitan's token counts go on their own
+    communicator, and some are read while the partner half's token exchange is in flight (2 MoE
+    blocks per part: the second block's count exchange)."""
     if module == "titan" and moe_trace_cases.titan_moe_available():
         pytest.skip(moe_trace_cases.titan_moe_available())
-    ran = pool.run(moe_trace_cases.recorded_moe_step, schedule=schedule, n=n, module=module)
+    ran = pool.run(moe_trace_cases.recorded_moe_step, schedule=schedule, n=n, module=module, pair_first=pair_first)
     trace = {r["rank"]: r["events"] for r in ran}
     for r in ran:
         assert r["losses_finite"]

@@ -88,28 +88,29 @@ def _titan_modules(schedule: str, n: int) -> dict[int, nn.Module]:
     return modules
 
 
-def _build(schedule: str, n: int, module: str) -> tuple[Any, dict[int, nn.Module]]:
+def _build(schedule: str, n: int, module: str, pair_first: str = "forward") -> tuple[Any, dict[int, nn.Module]]:
     """The overlapped schedule of this rank and its stage modules."""
     if module != "titan":
         cls = {"ours": MoETransformer, "relay": RelayedMoETransformer}[module]
         _, modules, sched, _ = overlap_cases.build(schedule, n, overlap=True, checkpoint=False, fsdp=False,
-                                                   module_cls=cls)
+                                                   module_cls=cls, pair_first=pair_first)
         return sched, modules
     topo, place = overlap_cases.topology(), placement(schedule, overlap_cases.PP, n)
     modules = _titan_modules(schedule, n)
     stages = [PipelineStage(modules[s], s, place.num_stages, torch.device("cpu"), group=topo.pp_group)
               for s in place.stages_of(topo.pp_rank)]
-    return SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=True), modules
+    return SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=True, pair_first=pair_first), modules
 
 
-def recorded_moe_step(schedule: str, n: int, module: str) -> dict:
+def recorded_moe_step(schedule: str, n: int, module: str, pair_first: str = "forward") -> dict:
     """The first training step of an EP x PP MoE pipeline under a CommRecorder: this rank's
-    events, the relay's hand-overs and the functional all-to-alls it recorded."""
+    events, the relay's hand-overs and the functional all-to-alls it recorded; ``pair_first``: the
+    schedule's (which half of a relayed pair starts)."""
     from titan_dualpipe.orders.nccl_model import Collective, Post
     from titan_dualpipe.runtime.comm_record import CommRecorder
 
     topo, place = overlap_cases.topology(), placement(schedule, overlap_cases.PP, n)
-    sched, modules = _build(schedule, n, module)
+    sched, modules = _build(schedule, n, module, pair_first)
     x, y = batch(0, n, topo.ep_index)
     with overlap_cases._counting_hand_overs() as relays, CommRecorder() as recorder:
         losses: list = []
