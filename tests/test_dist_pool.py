@@ -1,10 +1,13 @@
-"""The test pool itself: what it reports when a worker crashes or hangs, and the workers' stderr."""
+"""The test pool itself: what it reports when a worker crashes or hangs, and the workers' stderr;
+and what run_on_processes leaves behind when its ranks hang."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +82,24 @@ def test_workers_stderr_reaches_the_callers_stderr(capsys):
         pool.close()
     err = capsys.readouterr().err
     assert "[rank 0] a line from a worker" in err and "[rank 1] a line from a worker" in err, err
+
+
+def write_pid_and_sleep(folder: str) -> None:
+    import torch.distributed as dist
+
+    Path(folder, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_run_on_processes_kills_ranks_still_running_at_its_timeout(tmp_path: Path) -> None:
+    """A hung case ends in a TimeoutError naming the ranks, and leaves no process behind (an orphan
+    would hold the caller's output pipes open, and a CI run would wait on them)."""
+    from titan_dualpipe.testing.spawn import run_on_processes
+
+    with pytest.raises(TimeoutError, match=r"write_pid_and_sleep still ran on ranks \[0, 1\] of 2 after 15 s"):
+        run_on_processes(write_pid_and_sleep, 2, str(tmp_path), timeout_s=15)
+    pids = [int(path.read_text()) for path in sorted(tmp_path.glob("*.pid"))]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

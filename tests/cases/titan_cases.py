@@ -100,6 +100,24 @@ def count_exchange_posts() -> list[dict[bool, list[str]]]:
     return _every_rank(posts)
 
 
+def count_twins_released() -> dict[str, object]:
+    """The count communicator's twin of a group, made, then the process group destroyed: does
+    anything of ours still hold the twin or the default group? (Held to interpreter exit, gloo's
+    worker threads abort while they free the last collective's tensors.) This rank's answer."""
+    import weakref
+
+    from titan_dualpipe.overlap.count_groups import count_group, make_count_groups
+
+    make_count_groups([dist.group.WORLD])
+    twin = count_group(dist.group.WORLD)
+    made = twin is not dist.group.WORLD
+    held = {"twin": weakref.ref(twin), "default group": weakref.ref(dist.group.WORLD)}
+    del twin
+    dist.barrier()
+    dist.destroy_process_group()  # no gc.collect(): what only the collector frees, exit frees too
+    return {"made": made, "still held": sorted(name for name, ref in held.items() if ref() is not None)}
+
+
 def folded_meshes() -> list[dict]:
     """4 processes = pp 2 x fsdp 2 with EP 2 over the fsdp ranks, torchtitan's layout: each rank's
     groups, fold checks, gradient sums and model-part initialisation."""

@@ -171,6 +171,12 @@ def test_token_count_exchange_is_read_at_once_on_its_own_communicator() -> None:
         assert handed_over == ["post counts", "B0", "wait", "post tokens", "B1", "wait"], handed_over
 
 
+def test_count_twins_go_with_their_process_group() -> None:
+    """Once torch lets go of the default group (destroy_process_group), nothing of ours holds it
+    or the count communicators made in it."""
+    assert run_on_processes(titan_cases.count_twins_released, 2) == {"made": True, "still held": []}
+
+
 def test_folded_rank_map_puts_twins_side_by_side() -> None:
     """torchtitan numbers rank (pipeline rank p, replica d, rest x) as (p*dpr + d)*rest + x; in
     the folded order (pair, replica, twin, rest) each run of 2*rest ranks is one replica's

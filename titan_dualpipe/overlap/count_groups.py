@@ -10,26 +10,29 @@ own communicator). Why, and when a group has no twin: docs/overlap.md#in-torchti
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable
 
 import torch.distributed as dist
 
 
 class _Twins:
-    """The twins made in the current default process group (a new one starts afresh)."""
+    """The twins made in one default process group."""
 
     def __init__(self) -> None:
-        self.world: Any = None
         self.mine: dict[tuple[int, ...], dist.ProcessGroup] = {}  # this rank's groups' twins, by ranks
         self.made: set[tuple[int, ...]] = set()  # every twin made, this rank a member or not
 
-    def current(self) -> "_Twins":
-        if self.world is not dist.group.WORLD:
-            self.world, self.mine, self.made = dist.group.WORLD, {}, set()
-        return self
+
+# By default group, held weakly: once torch lets go of a group (destroy_process_group), its twins
+# go with it. Held past that, they would be freed at interpreter exit, where gloo's worker
+# threads, still releasing the last collective's tensors, cannot take the GIL and abort.
+_TWINS: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Twins]" = weakref.WeakKeyDictionary()
 
 
-_TWINS = _Twins()
+def _current_twins() -> _Twins:
+    """The twins of the current default process group (a new one starts afresh)."""
+    return _TWINS.setdefault(dist.group.WORLD, _Twins())
 
 
 def group_ranks(group: Any) -> tuple[int, ...]:
@@ -49,7 +52,7 @@ def make_count_groups(groups: Iterable[Any]) -> dict[tuple[int, ...], dist.Proce
     mine = sorted({group_ranks(group) for group in groups})
     everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    twins = _TWINS.current()
+    twins = _current_twins()
     wanted = sorted({tuple(ranks) for theirs in everyone for ranks in theirs or []} - twins.made)
     me = dist.get_rank()
     for ranks in wanted:
@@ -64,5 +67,5 @@ def count_group(group: Any) -> Any:
     """The communicator for ``group``'s token-count exchange: its twin, or ``group`` itself."""
     if group is None or not dist.is_initialized():
         return group
-    twins = _TWINS.current().mine
+    twins = _current_twins().mine
     return twins.get(group_ranks(group), group) if twins else group

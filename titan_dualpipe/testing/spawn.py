@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -47,15 +48,33 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any
         if rank == 0:
             out.put(result)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``fn`` may have destroyed it itself
+            dist.destroy_process_group()
+        # Python stacks mean nothing once the interpreter exits, and faulthandler can loop on a
+        # thread's half-freed frames there: a crash at exit should abort, not spin.
+        faulthandler.disable()
 
 
-def run_on_processes(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> Any:
+def run_on_processes(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
+                     timeout_s: float | None = None) -> Any:
     """``fn(*args)`` on ``world`` spawned ranks (one CPU thread each; with ``backend="nccl"``,
-    rank r on GPU r); rank 0's return value.
+    rank r on GPU r); rank 0's return value. Ranks still running when another rank failed, when
+    this call is interrupted (a test's timeout), or after ``timeout_s`` (TimeoutError) are killed.
 
     ``fn`` must be importable (a module-level function) for spawn.
     """
     out = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out), nprocs=world, start_method="spawn")
+    context = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out), nprocs=world,
+                                 join=False, start_method="spawn")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                running = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+                raise TimeoutError(f"{fn.__name__} still ran on ranks {running} of {world} after {timeout_s:.0f} s")
+    finally:
+        for process in context.processes:  # none may outlive the call: an orphan keeps the caller's pipes
+            if process.is_alive():
+                process.kill()
+                process.join()
     return out.get()
