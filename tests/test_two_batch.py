@@ -12,11 +12,13 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from titan_dualpipe._compat.pipelining import B, F, OVERLAP_F_B, _Action
+from titan_dualpipe._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 from titan_dualpipe.orders.lone_actions import lone_forwards, paired_backwards
 from titan_dualpipe.overlap.sub_batches import join_sub_batches, run_forward_in_sub_batches, split_into_sub_batches
 from titan_dualpipe.overlap.relay import hand_over
 from titan_dualpipe.runtime.sub_batch_runner import two_batch_stages
+from titan_dualpipe.runtime.timeline import TimedAction
+from titan_dualpipe.runtime.two_batch_choice import MeasuredTwoBatch, lone_seconds
 from titan_dualpipe.weights.plan import BackwardPlan
 from titan_dualpipe.weights.queue import WeightGradQueue
 
@@ -67,11 +69,37 @@ def test_schedule_option_is_checked():
     assert two_batch_stages(True, True, modules) == set()  # no exchanges: nothing to hide
     assert two_batch_stages("all", True, modules) == {0}
     assert two_batch_stages(False, True, modules) == two_batch_stages(False, False, modules) == set()
-    with pytest.raises(ValueError, match="two_batch_overlap='all' needs overlap=True"):
-        two_batch_stages("all", False, modules)
+    assert two_batch_stages("measured", True, modules) == set()  # measures the stages True splits
+    for option in ("all", "measured"):
+        with pytest.raises(ValueError, match=f"two_batch_overlap='{option}' needs overlap=True"):
+            two_batch_stages(option, False, modules)
     for bad in ("yes", None, 1):
-        with pytest.raises(ValueError, match=r"must be False, True \(stages with expert-parallel exchanges\) or 'all'"):
+        with pytest.raises(ValueError, match=r"must be False, True \(stages with expert-parallel exchanges\), "
+                                             r"'all' \(every stage\) or 'measured'"):
             two_batch_stages(bad, True, modules)
+
+
+def test_measured_choice_times_the_actions_two_batch_overlap_changes():
+    """Lone forwards and their backward actions outside pairs count, per stage; a pair, and the
+    actions of microbatches whose forward ran in a pair, do not."""
+    pair = _Action(1, OVERLAP_F_B, None, sub_actions=(_Action(1, F, 3), _Action(0, B, 0)))
+    timeline = [TimedAction(0, _Action(0, F, 0), 0.0, 1.0), TimedAction(0, _Action(1, F, 0), 1.0, 1.5),
+                TimedAction(0, pair, 1.5, 4.0), TimedAction(0, _Action(0, B, 0), 4.0, 6.0),
+                TimedAction(0, _Action(1, I, 0), 6.0, 6.25), TimedAction(0, _Action(1, W, 0), 6.25, 7.0),
+                TimedAction(0, _Action(1, B, 3), 7.0, 9.0)]
+    assert lone_seconds(timeline, {(0, 0), (1, 0)}) == {0: 3.0, 1: 1.5}
+
+
+def test_measured_choice_runs_whole_then_split_then_as_chosen():
+    """Which stages split step by step before the choice, and which steps are timed."""
+    choice = MeasuredTwoBatch({0, 3}, 4, torch.device("cpu"))
+    seen = []
+    for _ in range(3):
+        seen.append((sorted(choice.stages(True)), choice.times(True), sorted(choice.stages(False)), choice.times(False)))
+        choice._steps += 1
+    assert seen == [([], False, [], False), ([], True, [], False), ([0, 3], True, [], False)]
+    choice.chosen = frozenset({3})
+    assert choice.stages(True) == choice.stages(False) == {3} and not choice.times(True)
 
 
 def test_lone_forwards_are_the_forwards_outside_pairs():

@@ -6,7 +6,7 @@ switches from here (``tests/test_docs.py`` checks that importing it imports no t
 
 # torchtitan training (:mod:`titan_dualpipe.titan`), both releases
 FOLD_ENV = "TITAN_DUALPIPE_FOLD_TWINS"  # "0": DualPipe sums its twins by an exchange (titan.fold); unset or "1": folded into FSDP
-TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages (unset or "0": off)
+TWO_BATCH_ENV = "TITAN_DUALPIPE_TWO_BATCH"  # "1": two-batch overlap on the MoE stages, "measured": where it pays (unset or "0": off)
 WEIGHT_GRADIENTS_ENV = "TITAN_DUALPIPE_WEIGHT_GRADIENTS"  # "deferred" (unset: the config's, default), "deferred_compiled", "split" or "whole"
 NOT_DEFERRED_ENV = "TITAN_DUALPIPE_NOT_DEFERRED"  # comma-separated module names / fnmatch patterns kept out of deferral
 MIN_FLOPS_ENV = "TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS"  # least FLOPs of a deferred weight GEMM where a schedule names none ("0": all; unset: the device's default)

@@ -355,6 +355,60 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
     return result
 
 
+def two_batch_measured(schedule: str, n: int, relay: bool = False, bias: dict[int, float] | None = None,
+                       steps: int = 5) -> dict:
+    """``two_batch_overlap="measured"`` on the MoE pipeline (every stage posts exchanges) against the
+    reference, ``steps`` steps with Adam between: losses and gradients at RTOL/ATOL each step; per
+    step, the stages the schedule split and the microbatches joined from sub-batches; the choice and
+    its savings. ``bias``: seconds added per stage to what the split step's lone actions took (so a
+    test can make splitting lose, or win, on chosen stages)."""
+    from titan_dualpipe.overlap import sub_batches as sub_batches_module
+    from titan_dualpipe.runtime.two_batch_choice import MeasuredTwoBatch
+
+    ep_index = topology().ep_index
+    place = placement(schedule, PP, n)
+    module_cls = RelayedMoETransformer if relay else MoETransformer
+    reference, modules, sched, _ = build(schedule, n, overlap=True, checkpoint=False, fsdp=False,
+                                         module_cls=module_cls, two_batch="measured")
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opt = torch.optim.Adam([p for mod in modules.values() for p in mod.parameters()], lr=1e-2)
+    choice = sched.two_batch_choice
+    result = {"grad_err": 0.0, "losses_checked": 0, "split_stages": [], "joins": [],
+              "candidates": sorted(choice.candidates)}
+    joins: list = []
+    real_join, real_decide = sub_batches_module.join_sub_batches, MeasuredTwoBatch._decide
+
+    def counted_join(outputs, sizes):
+        joins.append(sizes)
+        return real_join(outputs, sizes)
+
+    def biased_decide(self, split_seconds, split):
+        biased = {s: split_seconds.get(s, 0.0) + (bias or {}).get(s, 0.0) for s in self.candidates}
+        return real_decide(self, biased, split)
+
+    sub_batches_module.join_sub_batches, MeasuredTwoBatch._decide = counted_join, biased_decide
+    try:
+        for step in range(steps):
+            want = _reference_losses(reference, step, n, ep_index)
+            x, y = batch(step, n, ep_index)
+            result["split_stages"].append(sorted(choice.stages(True)))
+            before = len(joins)
+            losses = _step(sched, modules, place, x, y)
+            result["joins"].append(len(joins) - before)
+            _average_over_data_shards(modules, False)
+            result["grad_err"] = max(result["grad_err"], _check_grads(modules, reference, True, step))
+            if losses:
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)
+                result["losses_checked"] += len(losses)
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+    finally:
+        sub_batches_module.join_sub_batches, MeasuredTwoBatch._decide = real_join, real_decide
+    result.update(chosen=sorted(choice.chosen), savings=choice.savings, two_batch_stages=sorted(sched.two_batch_stages))
+    return result
+
+
 @contextlib.contextmanager
 def _counting_pairs() -> Iterator[list]:
     """Count the pairs the MoE module ran itself (each interleaves one forward and one backward)."""

@@ -112,8 +112,8 @@ class _RecordedSchedule:
 
 
 # (config switch given, TITAN_DUALPIPE_TWO_BATCH, two_batch_overlap the schedule gets): either turns it on
-TWO_BATCH_CASES = [(False, None, False), (False, "0", False), (False, "1", True),
-                   (True, None, True), (True, "0", True), (True, "1", True)]
+TWO_BATCH_CASES = [(False, None, False), (False, "0", False), (False, "1", True), (False, "measured", "measured"),
+                   (True, None, True), (True, "0", True), (True, "1", True), (True, "measured", "measured")]
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def active_run_kept():
 
 
 @pytest.mark.parametrize("field,env,expected", TWO_BATCH_CASES)
-def test_two_batch_overlap_reaches_the_schedule_built(field: bool, env: str | None, expected: bool,
+def test_two_batch_overlap_reaches_the_schedule_built(field: bool, env: str | None, expected: bool | str,
                                                       monkeypatch: pytest.MonkeyPatch, active_run_kept) -> None:
     """The config's switch (0.3.0) and the environment (both releases) as the trainer hooks
     record them, through torchtitan's pipeline-schedule builder as we replace it, to our class's
@@ -156,7 +156,8 @@ def test_two_batch_overlap_reaches_the_schedule_built(field: bool, env: str | No
     else:
         built = pipeline.make_build_schedule(torchtitans)(job, [], lambda *a: a)
     assert isinstance(built, _RecordedSchedule)
-    assert built.kwargs["two_batch_overlap"] is expected and built.kwargs["overlap"] is True
+    assert built.kwargs["two_batch_overlap"] == expected and built.kwargs["overlap"] is True
+    assert type(built.kwargs["two_batch_overlap"]) is type(expected)
 
 
 def _built_with(monkeypatch: pytest.MonkeyPatch, *args: str) -> _RecordedSchedule:
@@ -252,5 +253,5 @@ def test_a_bad_two_batch_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> N
     from titan_dualpipe.titan import pipeline
 
     monkeypatch.setenv(TWO_BATCH_ENV, "yes")
-    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_TWO_BATCH='yes': use 1 \(on\) or 0"):
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_TWO_BATCH='yes': use 1 \(on\), measured \(.*\) or 0"):
         pipeline.two_batch_option()

@@ -260,6 +260,8 @@ def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
         "overlap": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True), feeds),
         "overlap_two_batch": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True,
                                                 two_batch_overlap=True), feeds),
+        TWO_BATCH_MEASURED[0]: (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=True,
+                                                  two_batch_overlap="measured"), feeds),
         "sequential": (ScheduleDualPipeV(parts.stages(modules), n, loss_fn=lm_loss, overlap=False), feeds),
         "torch_dualpipev": (runnable_on_gloo(TorchDualPipeV(parts.stages(torch_modules), n, loss_fn=lm_loss)),
                             feeds),
@@ -269,11 +271,15 @@ def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
 
 
 MEASURED_FIRST = "relay_measured_first"  # the relay, each kind of pair started with the half measured to expose less
+# two-batch overlap on the stages where the run's own times say it pays: through the protocol, as a relay
+TWO_BATCH_MEASURED = ("overlap_two_batch_measured", "relay_two_batch_measured")
+# warm-up steps before the timed rounds: one (shape inference, the allocator), and what "measured" options time
+WARM_UP_STEPS = {MEASURED_FIRST: 2, TWO_BATCH_MEASURED[0]: 3, TWO_BATCH_MEASURED[1]: 3}
 
 
 def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
-    """Overlap and two-batch overlap as a relay, and the relay with ``pair_first="measured"``,
-    each on its own copy."""
+    """Overlap and two-batch overlap (on, and "measured") as a relay, and the relay with
+    ``pair_first="measured"``, each on its own copy."""
     from .. import ScheduleDualPipeV
 
     feeds = parts.pp_rank == 0
@@ -284,6 +290,8 @@ def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
                                            overlap=True, pair_first="measured"), feeds),
         "relay_two_batch": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
                                               overlap=True, two_batch_overlap=True), feeds),
+        TWO_BATCH_MEASURED[1]: (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
+                                                  overlap=True, two_batch_overlap="measured"), feeds),
     }
 
 
@@ -386,8 +394,8 @@ def _worker(cfg: dict) -> dict:
     def modules_of(name: str) -> Callable[[], list]:
         return lambda: [stage.submod for stage in schedules[name][0]._stages]
 
-    for name in names:  # warm-up: shape inference, allocator; "measured" measures its second step
-        _timed_steps(*schedules[name], x, y, 2 if name == MEASURED_FIRST else 1, comm, modules_of(name))
+    for name in names:  # warm-up: shape inference, allocator; the "measured" options' own steps
+        _timed_steps(*schedules[name], x, y, WARM_UP_STEPS.get(name, 1), comm, modules_of(name))
     # The floor needs the host's clock to time the segments: CPU runs only (a GPU's kernels run
     # behind the host, on streams the recorder does not see).
     record = start_recording() if _device().type == "cpu" else None
@@ -425,7 +433,9 @@ def _worker(cfg: dict) -> dict:
             "charged": dict(zip(names, charged_total.tolist(), strict=True)), "network": settings,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "exposure": _exposure(traces, device) if record is not None else None,
-            "pairs": {name: _per_pair(traces[name][-1][-1]) for name in traces} if record is not None else None}
+            "pairs": {name: _per_pair(traces[name][-1][-1]) for name in traces} if record is not None else None,
+            "two_batch_savings": {name: schedules[name][0].two_batch_choice.savings
+                                  for name in TWO_BATCH_MEASURED if name in schedules}}
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -461,6 +471,7 @@ def measure(cfg: dict) -> dict:
     result["network"] = raw["network"]
     if raw["gpu"] is not None:
         result["gpu"] = raw["gpu"]
+    result["two_batch_savings"] = raw["two_batch_savings"]  # by stage, seconds the split step saved, all ranks
     result["config"] = cfg
     return result
 
@@ -506,6 +517,10 @@ def run(args: argparse.Namespace) -> int:
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     print(f"with two-batch overlap / without: step time {result['two_batch_vs_overlap']:.3f}, exposed comm "
           f"{result['exposed_comm_overlap_two_batch']:.4f} / {result['exposed_comm_overlap']:.4f} s")
+    for name, savings in result["two_batch_savings"].items():
+        print(f"{name}: splitting saved, per stage (s, the warm-up's split step against its whole step, all ranks): "
+              + ", ".join(f"{stage}: {saved:+.4f}" for stage, saved in sorted(savings.items()))
+              + f"; split from then on: stages {sorted(s for s, saved in savings.items() if saved > 0)}")
     if "exchange_chunks" in result:
         _print_chunked(result, cfg["exchange_chunks"])
     if cfg["compile"]:

@@ -108,6 +108,7 @@ class StepExecutor:
         self.plan: BackwardPlan | None = None  # how each backward runs (set by run())
         self.two_batch: set[tuple[int, int]] = set()  # (stage, mb) whose forward runs as two sub-batches if it can
         self.sub_batches: dict[tuple[int, int], Any] = {}  # microbatches that ran as sub-batches, until their backward
+        self.split: set[tuple[int, int]] = set()  # every microbatch whose forward ran as sub-batches this step
         self.timeline: list[TimedAction] | None = [] if self.options.record_timeline else None
         # Timed on the stages' device (CUDA events on a GPU, where the host clock would time
         # launches); the marks become seconds once the step is over (_resolve_timeline).
@@ -222,6 +223,8 @@ class StepExecutor:
         key = (action.stage_index, action.microbatch_index)
         if key in self.two_batch:
             self.timed(action, lambda: self.view.sub_batch_runner.forward(self, action))
+            if key in self.sub_batches:  # else it ran whole (a microbatch of one row)
+                self.split.add(key)
             if not self.training:  # no backward will read the sub-batches: keep neither them nor the joined output
                 self.sub_batches.pop(key, None)
         else:

@@ -35,6 +35,7 @@ from .._compat.pipelining import (
 from .._compat.stage_init import agreed_inference_mode, initialize_stages, torch_start_up, warm_up_traced, with_start_up
 from ..orders import compute_order, placement
 from ..orders.dataflow import peer_stage
+from ..orders.lone_actions import lone_forwards
 from ..orders.lowering import lower, validate_order
 from .timeline import TimedAction
 from .agreement import agree
@@ -45,6 +46,7 @@ from .failures import named_for_every_rank, record, schedule_scope, step_scope
 from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
 from .sub_batch_runner import SubBatchRunner, has_exchanges, two_batch_stages
+from .two_batch_choice import MeasuredTwoBatch
 from .pairs import PairOrder, PairRunner, pair_first_problem, pair_runner
 from .view import ScheduleView, StepOptions, TorchStepState
 from ..weights.in_flight import in_flight_mode_problem
@@ -96,8 +98,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       :mod:`titan_dualpipe.overlap`); False runs each pair's halves one after the other.
     - ``two_batch_overlap`` (default False): True runs each forward that has no pair partner on
       two sub-batches of its microbatch, relayed like a pair, so each sub-batch's exchanges hide behind the
-      other's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage
-      (:mod:`titan_dualpipe.runtime.sub_batch_runner`, :mod:`titan_dualpipe.overlap.sub_batches`).
+      other's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage;
+      ``"measured"`` on those of True where the run's second and third steps, timed whole and split,
+      say it pays (:mod:`titan_dualpipe.runtime.sub_batch_runner`,
+      :mod:`titan_dualpipe.runtime.two_batch_choice`, :mod:`titan_dualpipe.overlap.sub_batches`).
     - ``weight_gradients`` (default ``"deferred"``): how an ``I`` leaves the weight gradient to
       its ``W``. ``"deferred"``: one autograd pass at ``I``, each ``nn.Linear``'s weight GEMM
       queued for ``W`` (:mod:`titan_dualpipe.weights`; activation-checkpointed
@@ -195,6 +199,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.max_outstanding_sends = max_outstanding_sends
         self._map_stages_to_ranks()
         self._choose_how_actions_run(overlap, split_stages, record_timeline, pair_first)
+        self._choose_two_batch(two_batch_overlap, split_stages)
         self._choose_weight_gradients(weight_gradients, not_deferred, weight_gemms_in_flight, min_weight_gemm_flops)
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
         self._prepare_schedule_with_comms(self.pipeline_order)
@@ -238,9 +243,17 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self.pair_order: PairOrder | None = None
         if overlap and order_class is not None:
             self.pair_order = order_class(pair_first, self.placement.num_stages, self._stages[0].device)
-        self.two_batch_stages = split_stages
         self.fsdp_at_step_edges = self._folds_twins()
         self.whole_backwards: set[tuple[int, int]] = set()
+
+    def _choose_two_batch(self, option: bool | str, split_stages: set[int]) -> None:
+        """The stages whose lone microbatches split (``two_batch_stages``); under "measured", none
+        until the choice (``two_batch_choice``) is made."""
+        self.two_batch_choice: MeasuredTwoBatch | None = None
+        self.two_batch_stages = split_stages
+        if option == "measured":
+            self.two_batch_choice = MeasuredTwoBatch(split_stages, self.placement.num_stages, self._stages[0].device)
+            self.two_batch_stages = set()
 
     def _choose_weight_gradients(self, mode: str, not_deferred: Sequence[str], in_flight: bool | str,
                                  min_flops: int | None) -> None:
@@ -457,11 +470,14 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
             self._before_first_step()
         self._reset_step_state(loss_kwargs)
-        executor = StepExecutor(self._view(), self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
+        choice, training = self.two_batch_choice, self._has_backward
+        executor = StepExecutor(self._view(choice), self.placement, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
                                 return_outputs, failure_scope=scope)
-        ordered = self.pair_order is not None and self._has_backward  # eval() runs no pairs
+        ordered = self.pair_order is not None and training  # eval() runs no pairs
         with self.pair_order.step() if ordered else contextlib.nullcontext():
             executor.run(self.pipeline_order_with_comms[self.rank])
+        if choice is not None and training:
+            self._two_batch_step_ended(choice, executor)
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
         with named_for_every_rank(scope, self.rank_name(), "after the last action"):
@@ -472,16 +488,28 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._publish_losses(executor, losses)
         self._reset_step_state(None)  # the step's losses and receives are not kept past it
 
-    def _view(self) -> ScheduleView:
-        """What the executor sees of this schedule for one step."""
+    def _two_batch_step_ended(self, choice: MeasuredTwoBatch, executor: StepExecutor) -> None:
+        """Tell "measured" two-batch overlap what the step's lone actions took; once it has chosen,
+        its stages split."""
+        actions = self.pipeline_order_with_comms[self.rank]
+        choice.step_ended(executor.timeline or [], lone_forwards(actions), executor.split)
+        if choice.chosen is not None:
+            self.two_batch_stages = set(choice.chosen)
+
+    def _view(self, choice: MeasuredTwoBatch | None = None) -> ScheduleView:
+        """What the executor sees of this schedule for one step (``choice``: "measured" two-batch
+        overlap's, which says which stages split and whether the step is timed)."""
+        training = self._has_backward
+        split = choice.stages(training) if choice is not None else self.two_batch_stages
+        timed = self.record_timeline or (choice is not None and choice.times(training))
         options = StepOptions(self._n_microbatches, self.scale_grads, self.defer_reduce_grad_wait,
-                              self.max_outstanding_sends, self.record_timeline)
+                              self.max_outstanding_sends, timed)
         state = TorchStepState(self._step_losses, self.fwd_recv_ops, self.bwd_recv_ops, self.backward_counter,
                                self.unshard_ops, self.unsharded_stages, self._assert_unsharded)
         compute_loss = self._compute_loss if self._loss_fn is not None else None
         return ScheduleView(self.rank, self.rank_name(), {s.stage_index: s for s in self._stages}, self._has_backward,
                             self.pipeline_order_with_comms, options, state, self.weight_policy, self.pair_runner,
-                            self.pair_order, type(self).sub_batch_runner, self.two_batch_stages, compute_loss,
+                            self.pair_order, type(self).sub_batch_runner, split, compute_loss,
                             self._comp_type_to_function_map, self)
 
     def rank_name(self) -> str:

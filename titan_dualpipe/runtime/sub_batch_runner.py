@@ -7,8 +7,9 @@ runner as ``sub_batch_runner``, so the dependencies run one way: orders -> runti
 schedule option ``two_batch_overlap`` is ``False`` (the default: sub-batches pay each op's fixed costs
 twice and a second latency per exchange, which outweighed what they hide on the CPU benchmarks,
 benchmarks/2026-11-26-cpu-xeon-2core.md#two-batch-overlap), ``True`` (the stages whose module
-posts expert-parallel exchanges, as a rule registered with :func:`register_exchange_rule` says)
-or ``"all"`` (every stage); both need ``overlap=True``. A microbatch of batch size 1 runs whole.
+posts expert-parallel exchanges, as a rule registered with :func:`register_exchange_rule` says),
+``"all"`` (every stage) or ``"measured"`` (those of ``True`` where the run's own times say it
+pays, :mod:`.two_batch_choice`); all need ``overlap=True``. A microbatch of batch size 1 runs whole.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ def has_exchanges(module: torch.nn.Module) -> bool:
     return any(rule(module) for rule in _exchange_rules)
 
 
+TWO_BATCH_OPTIONS = (False, True, "all", "measured")
+
+
 def two_batch_stages(option: bool | str, overlap: bool, modules: dict[int, torch.nn.Module]) -> set[int]:
-    """The stages (of ``{stage index: module}``) whose lone microbatches run as sub-batches."""
-    if option not in (False, True, "all") or not isinstance(option, (bool, str)):
-        raise ValueError(f"two_batch_overlap must be False, True (stages with expert-parallel exchanges) or "
-                         f"'all' (every stage), got {option!r}")
+    """The stages (of ``{stage index: module}``) whose lone microbatches run as sub-batches (under
+    "measured": those it measures, :mod:`.two_batch_choice`)."""
+    if option not in TWO_BATCH_OPTIONS or not isinstance(option, (bool, str)):
+        raise ValueError(f"two_batch_overlap must be False, True (stages with expert-parallel exchanges), "
+                         f"'all' (every stage) or 'measured' (those of True where it pays), got {option!r}")
     if option is False:
         return set()
     if not overlap:

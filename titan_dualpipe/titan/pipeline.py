@@ -237,14 +237,18 @@ def _weight_gradients_note(schedule: Any) -> str:
             f"({stages}; deferred weight gradients{smaller})")
 
 
-def two_batch_option() -> bool:
+def two_batch_option() -> bool | str:
     """Our schedules' ``two_batch_overlap``: on when the config's switch is (0.3.0:
     ``--dualpipe.two-batch-overlap``, recorded in ``ACTIVE.two_batch``) or the environment has
     ``TITAN_DUALPIPE_TWO_BATCH=1`` (both releases; 0.2.2 has no config key): either turns it on,
-    ``0`` does not turn the config's switch off. On, it splits the lone microbatches of the MoE stages."""
+    ``0`` does not turn the config's switch off. On, it splits the lone microbatches of the MoE stages;
+    ``TITAN_DUALPIPE_TWO_BATCH=measured``, of those where the run's own times say it pays."""
     value = os.environ.get(TWO_BATCH_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on) or 0 (off, the default)")
+    if value not in ("", "0", "1", "measured"):
+        raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on), measured (on the stages where it pays, "
+                         "timed on the second and third steps) or 0 (off, the default)")
+    if value == "measured":
+        return "measured"
     return ACTIVE.two_batch or value == "1"
 
 
@@ -270,12 +274,17 @@ def _pair_first_note(schedule: Any) -> str:
 
 
 def _two_batch_note(schedule: Any, par: Any) -> str:
-    if not schedule.two_batch_stages:
+    choice = getattr(schedule, "two_batch_choice", None)
+    stages = sorted(choice.candidates if choice is not None else schedule.two_batch_stages)
+    if not stages:
         return ""
     if par.pipeline_parallel_microbatch_size < 2:
-        return ("; two-batch overlap is on for stages " + str(sorted(schedule.two_batch_stages))
-                + " but microbatches of 1 row run whole (pipeline_parallel_microbatch_size >= 2 splits them)")
-    return f"; forwards without a pair partner run as two sub-batches (two-batch overlap) on stages {sorted(schedule.two_batch_stages)}"
+        return (f"; two-batch overlap is on for stages {stages} but microbatches of 1 row run whole "
+                "(pipeline_parallel_microbatch_size >= 2 splits them)")
+    if choice is not None:
+        return (f"; forwards without a pair partner on stages {stages} run whole on step 2, as two sub-batches "
+                "on step 3, and from step 4 as two sub-batches where that was faster (two-batch overlap, measured)")
+    return f"; forwards without a pair partner run as two sub-batches (two-batch overlap) on stages {stages}"
 
 
 def _scalar_loss(loss_fn: Callable) -> Callable:
