@@ -360,5 +360,6 @@ def test_bench_overlap_reports_each_runs_floor(world_of_one):
     assert raw["pairs"]["overlap"] and raw["pairs"]["overlap_relay"]
     # the measured two-batch runs decided in their warm-up; one EP rank has no exchanges: nothing to split
     assert raw["two_batch_savings"] == {name: {} for name in bench.TWO_BATCH_MEASURED}
+    assert raw["two_batch_chosen"] == {name: [] for name in bench.TWO_BATCH_MEASURED}
     assert bench.exposure_table(exposure).splitlines()[1].split()[:5] == ["schedule", "measured", "late", "floor",
                                                                          "1F1B"]

@@ -90,6 +90,23 @@ def test_measured_choice_times_the_actions_two_batch_overlap_changes():
     assert lone_seconds(timeline, {(0, 0), (1, 0)}) == {0: 3.0, 1: 1.5}
 
 
+@pytest.fixture
+def world_of_one():
+    from cases.dist_pool import one_rank_process_group
+
+    yield from one_rank_process_group()
+
+
+def test_measured_choice_splits_where_it_saved_enough(world_of_one):
+    """A stage splits where some microbatch split and it saved at least MIN_SAVING (2%) of its whole
+    time; a stage where none split (one-row microbatches) has no saving to show."""
+    choice = MeasuredTwoBatch({0, 1, 2, 3}, 4, torch.device("cpu"))
+    choice._whole = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    choice._decide({0: 0.9, 1: 0.99, 2: 1.2, 3: 0.5}, split={(0, 0), (0, 4), (1, 0), (2, 0)})
+    assert choice.savings == pytest.approx({0: 0.1, 1: 0.01, 2: -0.2})
+    assert choice.chosen == choice.chosen_everywhere == {0}
+
+
 def test_measured_choice_runs_whole_then_split_then_as_chosen():
     """Which stages split step by step before the choice, and which steps are timed."""
     choice = MeasuredTwoBatch({0, 3}, 4, torch.device("cpu"))

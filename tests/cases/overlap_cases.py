@@ -405,7 +405,8 @@ def two_batch_measured(schedule: str, n: int, relay: bool = False, bias: dict[in
                 o.zero_grad()
     finally:
         sub_batches_module.join_sub_batches, MeasuredTwoBatch._decide = real_join, real_decide
-    result.update(chosen=sorted(choice.chosen), savings=choice.savings, two_batch_stages=sorted(sched.two_batch_stages))
+    result.update(chosen=sorted(choice.chosen), chosen_everywhere=sorted(choice.chosen_everywhere),
+                  savings=choice.savings, two_batch_stages=sorted(sched.two_batch_stages))
     return result
 
 

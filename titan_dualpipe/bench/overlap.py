@@ -435,7 +435,9 @@ def _worker(cfg: dict) -> dict:
             "exposure": _exposure(traces, device) if record is not None else None,
             "pairs": {name: _per_pair(traces[name][-1][-1]) for name in traces} if record is not None else None,
             "two_batch_savings": {name: schedules[name][0].two_batch_choice.savings
-                                  for name in TWO_BATCH_MEASURED if name in schedules}}
+                                  for name in TWO_BATCH_MEASURED if name in schedules},
+            "two_batch_chosen": {name: sorted(schedules[name][0].two_batch_choice.chosen_everywhere)
+                                 for name in TWO_BATCH_MEASURED if name in schedules}}
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -472,6 +474,7 @@ def measure(cfg: dict) -> dict:
     if raw["gpu"] is not None:
         result["gpu"] = raw["gpu"]
     result["two_batch_savings"] = raw["two_batch_savings"]  # by stage, seconds the split step saved, all ranks
+    result["two_batch_chosen"] = raw["two_batch_chosen"]  # the stages that split after it
     result["config"] = cfg
     return result
 
@@ -520,7 +523,7 @@ def run(args: argparse.Namespace) -> int:
     for name, savings in result["two_batch_savings"].items():
         print(f"{name}: splitting saved, per stage (s, the warm-up's split step against its whole step, all ranks): "
               + ", ".join(f"{stage}: {saved:+.4f}" for stage, saved in sorted(savings.items()))
-              + f"; split from then on: stages {sorted(s for s, saved in savings.items() if saved > 0)}")
+              + f"; split from then on: stages {result['two_batch_chosen'][name]}")
     if "exchange_chunks" in result:
         _print_chunked(result, cfg["exchange_chunks"])
     if cfg["compile"]:

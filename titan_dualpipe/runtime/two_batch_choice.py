@@ -13,8 +13,10 @@ module posts expert-parallel exchanges, as for ``True``):
   microbatches split, so every rank that holds a stage decides the same. It must: a split
   microbatch posts two exchanges where the whole posts one, on the expert-parallel communicator
   every holder of the stage shares;
-- from step 3 on, a stage splits where the summed saving is positive and some microbatch split
-  (one of a single row runs whole either way: nothing to decide).
+- from step 3 on, a stage splits where some microbatch split (one of a single row runs whole
+  either way: nothing to decide) and the summed saving is at least :data:`MIN_SAVING` of the
+  summed whole time: a smaller one is a single step's noise on a CPU (two runs of the same
+  configuration would choose differently), and whole microbatches are the simpler run.
 
 Every rank must pass the same option (as every other option of the schedule).
 docs/overlap.md#two-batch-overlap.
@@ -31,6 +33,7 @@ from .._compat.pipelining import B, F, I, W, _Action
 from .timeline import TimedAction
 
 WHOLE_STEP, SPLIT_STEP = 1, 2  # the training steps "measured" times (counting from 0)
+MIN_SAVING = 0.02  # of the lone actions' whole time: what splitting must save to be chosen
 _LONE_KINDS = frozenset({F, B, I, W})
 
 Key = tuple[int, int]  # (stage, microbatch)
@@ -46,8 +49,10 @@ class MeasuredTwoBatch:
         self._steps = 0  # training steps that ended
         self._whole: dict[int, float] = {}  # seconds per stage on the whole step
         self.chosen: frozenset[int] | None = None  # this rank's stages that split, once decided
-        # once decided, every stage where some microbatch split: seconds saved, summed over ranks
+        # once decided, every stage where some microbatch split: seconds saved, summed over ranks;
+        # and every stage that splits (this rank's or not)
         self.savings: dict[int, float] | None = None
+        self.chosen_everywhere: frozenset[int] | None = None
 
     def stages(self, training: bool) -> set[int]:
         """The stages whose lone microbatches split in the coming step."""
@@ -73,15 +78,17 @@ class MeasuredTwoBatch:
 
     def _decide(self, split_seconds: dict[int, float], split: set[Key]) -> None:
         n = self._num_stages
-        totals = torch.zeros(2, n, dtype=torch.float64)
+        totals = torch.zeros(3, n, dtype=torch.float64)
         for stage in self.candidates:
-            totals[0, stage] = self._whole.get(stage, 0.0) - split_seconds.get(stage, 0.0)
-            totals[1, stage] = sum(1 for key in split if key[0] == stage)
+            totals[0, stage] = self._whole.get(stage, 0.0)
+            totals[1, stage] = self._whole.get(stage, 0.0) - split_seconds.get(stage, 0.0)
+            totals[2, stage] = sum(1 for key in split if key[0] == stage)
         totals = totals.to(self._device)
         dist.all_reduce(totals)  # every rank steps: the default group reaches every holder of a stage
-        saved, splits = totals.cpu().tolist()
+        whole, saved, splits = totals.cpu().tolist()
         self.savings = {s: saved[s] for s in range(n) if splits[s] > 0}
-        self.chosen = frozenset(s for s in self.candidates if splits[s] > 0 and saved[s] > 0.0)
+        self.chosen_everywhere = frozenset(s for s, seconds in self.savings.items() if seconds >= MIN_SAVING * whole[s])
+        self.chosen = self.chosen_everywhere & self.candidates
 
 
 def lone_seconds(timeline: list[TimedAction], lone: set[Key]) -> dict[int, float]:
