@@ -99,22 +99,24 @@ def world_of_one():
 
 def test_measured_choice_splits_where_it_saved_enough(world_of_one):
     """A stage splits where some microbatch split and it saved at least MIN_SAVING (2%) of its whole
-    time; a stage where none split (one-row microbatches) has no saving to show."""
-    choice = MeasuredTwoBatch({0, 1, 2, 3}, 4, torch.device("cpu"))
-    choice._whole = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
-    choice._decide({0: 0.9, 1: 0.99, 2: 1.2, 3: 0.5}, split={(0, 0), (0, 4), (1, 0), (2, 0)})
-    assert choice.savings == pytest.approx({0: 0.1, 1: 0.01, 2: -0.2})
-    assert choice.chosen == choice.chosen_everywhere == {0}
+    time in both rounds; a stage where none split (one-row microbatches) has no saving to show."""
+    choice = MeasuredTwoBatch({0, 1, 2, 3, 4}, 5, torch.device("cpu"))
+    whole = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    split = [{0: 0.9, 1: 0.99, 2: 1.2, 3: 0.5, 4: 0.5}, {0: 0.95, 1: 0.99, 2: 1.2, 3: 1.01, 4: 0.5}]
+    choice._decide([whole, split[0], whole, split[1]], {0: 4, 1: 2, 2: 2, 3: 2})
+    assert choice.savings == pytest.approx({0: 0.15, 1: 0.02, 2: -0.4, 3: 0.49})
+    assert choice.chosen == choice.chosen_everywhere == {0}  # 3 saved in one round only
 
 
 def test_measured_choice_runs_whole_then_split_then_as_chosen():
     """Which stages split step by step before the choice, and which steps are timed."""
     choice = MeasuredTwoBatch({0, 3}, 4, torch.device("cpu"))
     seen = []
-    for _ in range(3):
+    for _ in range(6):
         seen.append((sorted(choice.stages(True)), choice.times(True), sorted(choice.stages(False)), choice.times(False)))
         choice._steps += 1
-    assert seen == [([], False, [], False), ([], True, [], False), ([0, 3], True, [], False)]
+    assert seen == [([], False, [], False), ([], True, [], False), ([0, 3], True, [], False), ([], True, [], False),
+                    ([0, 3], True, [], False), ([], False, [], False)]  # the last: undecided, as after a bad count
     choice.chosen = frozenset({3})
     assert choice.stages(True) == choice.stages(False) == {3} and not choice.times(True)
 

@@ -356,11 +356,11 @@ def two_batch_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bo
 
 
 def two_batch_measured(schedule: str, n: int, relay: bool = False, bias: dict[int, float] | None = None,
-                       steps: int = 5) -> dict:
+                       steps: int = 7) -> dict:
     """``two_batch_overlap="measured"`` on the MoE pipeline (every stage posts exchanges) against the
     reference, ``steps`` steps with Adam between: losses and gradients at RTOL/ATOL each step; per
     step, the stages the schedule split and the microbatches joined from sub-batches; the choice and
-    its savings. ``bias``: seconds added per stage to what the split step's lone actions took (so a
+    its savings. ``bias``: seconds added per stage to what the split steps' lone actions took (so a
     test can make splitting lose, or win, on chosen stages)."""
     from titan_dualpipe.overlap import sub_batches as sub_batches_module
     from titan_dualpipe.runtime.two_batch_choice import MeasuredTwoBatch
@@ -382,9 +382,10 @@ def two_batch_measured(schedule: str, n: int, relay: bool = False, bias: dict[in
         joins.append(sizes)
         return real_join(outputs, sizes)
 
-    def biased_decide(self, split_seconds, split):
-        biased = {s: split_seconds.get(s, 0.0) + (bias or {}).get(s, 0.0) for s in self.candidates}
-        return real_decide(self, biased, split)
+    def biased_decide(self, seconds, splits):
+        biased = [{s: step.get(s, 0.0) + (bias or {}).get(s, 0.0) * (i % 2) for s in self.candidates}
+                  for i, step in enumerate(seconds)]  # the split steps' only
+        return real_decide(self, biased, splits)
 
     sub_batches_module.join_sub_batches, MeasuredTwoBatch._decide = counted_join, biased_decide
     try:

@@ -274,7 +274,7 @@ MEASURED_FIRST = "relay_measured_first"  # the relay, each kind of pair started 
 # two-batch overlap on the stages where the run's own times say it pays: through the protocol, as a relay
 TWO_BATCH_MEASURED = ("overlap_two_batch_measured", "relay_two_batch_measured")
 # warm-up steps before the timed rounds: one (shape inference, the allocator), and what "measured" options time
-WARM_UP_STEPS = {MEASURED_FIRST: 2, TWO_BATCH_MEASURED[0]: 3, TWO_BATCH_MEASURED[1]: 3}
+WARM_UP_STEPS = {MEASURED_FIRST: 2, TWO_BATCH_MEASURED[0]: 5, TWO_BATCH_MEASURED[1]: 5}
 
 
 def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
@@ -521,7 +521,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"with two-batch overlap / without: step time {result['two_batch_vs_overlap']:.3f}, exposed comm "
           f"{result['exposed_comm_overlap_two_batch']:.4f} / {result['exposed_comm_overlap']:.4f} s")
     for name, savings in result["two_batch_savings"].items():
-        print(f"{name}: splitting saved, per stage (s, the warm-up's split step against its whole step, all ranks): "
+        print(f"{name}: splitting saved, per stage (s, the warm-up's split steps against its whole steps, all ranks): "
               + ", ".join(f"{stage}: {saved:+.4f}" for stage, saved in sorted(savings.items()))
               + f"; split from then on: stages {result['two_batch_chosen'][name]}")
     if "exchange_chunks" in result:

@@ -99,8 +99,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
     - ``two_batch_overlap`` (default False): True runs each forward that has no pair partner on
       two sub-batches of its microbatch, relayed like a pair, so each sub-batch's exchanges hide behind the
       other's compute, on stages with expert-parallel exchanges; ``"all"`` on every stage;
-      ``"measured"`` on those of True where the run's second and third steps, timed whole and split,
-      say it pays (:mod:`titan_dualpipe.runtime.sub_batch_runner`,
+      ``"measured"`` on those of True where steps 1 to 4, timed whole and split in turn, say it
+      pays (:mod:`titan_dualpipe.runtime.sub_batch_runner`,
       :mod:`titan_dualpipe.runtime.two_batch_choice`, :mod:`titan_dualpipe.overlap.sub_batches`).
     - ``weight_gradients`` (default ``"deferred"``): how an ``I`` leaves the weight gradient to
       its ``W``. ``"deferred"``: one autograd pass at ``I``, each ``nn.Linear``'s weight GEMM

@@ -246,7 +246,7 @@ def two_batch_option() -> bool | str:
     value = os.environ.get(TWO_BATCH_ENV, "")
     if value not in ("", "0", "1", "measured"):
         raise ValueError(f"{TWO_BATCH_ENV}={value!r}: use 1 (on), measured (on the stages where it pays, "
-                         "timed on the second and third steps) or 0 (off, the default)")
+                         "timed on steps 2 to 5) or 0 (off, the default)")
     if value == "measured":
         return "measured"
     return ACTIVE.two_batch or value == "1"
@@ -282,8 +282,9 @@ def _two_batch_note(schedule: Any, par: Any) -> str:
         return (f"; two-batch overlap is on for stages {stages} but microbatches of 1 row run whole "
                 "(pipeline_parallel_microbatch_size >= 2 splits them)")
     if choice is not None:
-        return (f"; forwards without a pair partner on stages {stages} run whole on step 2, as two sub-batches "
-                "on step 3, and from step 4 as two sub-batches where that was faster (two-batch overlap, measured)")
+        return (f"; forwards without a pair partner on stages {stages} run whole on steps 2 and 4, as two "
+                "sub-batches on steps 3 and 5, and from step 6 as two sub-batches where that was faster in both "
+                "rounds (two-batch overlap, measured)")
     return f"; forwards without a pair partner run as two sub-batches (two-batch overlap) on stages {stages}"
 
 
