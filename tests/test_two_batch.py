@@ -80,14 +80,15 @@ def test_schedule_option_is_checked():
 
 
 def test_measured_choice_times_the_actions_two_batch_overlap_changes():
-    """Lone forwards and their backward actions outside pairs count, per stage; a pair, and the
-    actions of microbatches whose forward ran in a pair, do not."""
+    """Lone forwards and their backward actions count, per stage, a pair under its backward's stage
+    when that backward is one of theirs; the actions of microbatches whose forward ran in a pair do not."""
     pair = _Action(1, OVERLAP_F_B, None, sub_actions=(_Action(1, F, 3), _Action(0, B, 0)))
+    other_pair = _Action(1, OVERLAP_F_B, None, sub_actions=(_Action(1, F, 4), _Action(0, B, 3)))
     timeline = [TimedAction(0, _Action(0, F, 0), 0.0, 1.0), TimedAction(0, _Action(1, F, 0), 1.0, 1.5),
-                TimedAction(0, pair, 1.5, 4.0), TimedAction(0, _Action(0, B, 0), 4.0, 6.0),
+                TimedAction(0, pair, 1.5, 4.0), TimedAction(0, other_pair, 4.0, 6.0),
                 TimedAction(0, _Action(1, I, 0), 6.0, 6.25), TimedAction(0, _Action(1, W, 0), 6.25, 7.0),
                 TimedAction(0, _Action(1, B, 3), 7.0, 9.0)]
-    assert lone_seconds(timeline, {(0, 0), (1, 0)}) == {0: 3.0, 1: 1.5}
+    assert lone_seconds(timeline, {(0, 0), (1, 0)}) == {0: 3.5, 1: 1.5}
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ module posts expert-parallel exchanges, as for ``True``):
 
 - from training step 1 (step 0 pays first calls and stage initialisation), :data:`ROUNDS` paired
   rounds: a step with every lone microbatch whole, then one with those of the candidate stages
-  split. Each times, on the stages' device, each stage's lone actions: the forwards that have no
-  pair partner and the backward actions of those microbatches that run outside pairs
+  split. Each times, on the stages' device, the actions splitting changes, by stage: the forwards
+  that have no pair partner, and those microbatches' backward actions, alone or in a pair
   (:func:`lone_seconds`);
 - one all-reduce over the default process group sums per stage and round what splitting saved,
   and how many microbatches split, so every rank that holds a stage decides the same. It must: a
@@ -30,7 +30,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from .._compat.pipelining import B, F, I, W, _Action
+from .._compat.pipelining import OVERLAP_F_B, B, F, I, W, _Action
 from .timeline import TimedAction
 
 FIRST_TIMED_STEP = 1  # the training step (counting from 0) the first round starts at
@@ -105,12 +105,19 @@ class MeasuredTwoBatch:
 
 
 def lone_seconds(timeline: list[TimedAction], lone: set[Key]) -> dict[int, float]:
-    """Seconds per stage of the actions two-batch overlap changes: the forwards of ``lone`` and
-    their backward actions (B, I, W) outside pairs."""
+    """Seconds per stage of the actions two-batch overlap changes: the forwards of ``lone``, their
+    backward actions (B, I, W), and the pairs whose backward half is one of those (a split
+    microbatch backpropagates through both sub-batches' graphs there too), filed under the
+    microbatch's stage."""
     seconds: dict[int, float] = {}
     for event in timeline:
-        action: _Action = event.action
-        key = (action.stage_index, action.microbatch_index)
-        if action.computation_type in _LONE_KINDS and key in lone:
-            seconds[key[0]] = seconds.get(key[0], 0.0) + (event.end - event.start)
+        for stage in _changed_stages(event.action, lone):
+            seconds[stage] = seconds.get(stage, 0.0) + (event.end - event.start)
     return seconds
+
+
+def _changed_stages(action: _Action, lone: set[Key]) -> set[int]:
+    if action.computation_type == OVERLAP_F_B:
+        return {b.stage_index for b in action.sub_actions[1:] if (b.stage_index, b.microbatch_index) in lone}
+    key = (action.stage_index, action.microbatch_index)
+    return {action.stage_index} if action.computation_type in _LONE_KINDS and key in lone else set()
