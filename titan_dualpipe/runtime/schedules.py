@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from typing import Any, Callable, ClassVar, Sequence
 
@@ -56,6 +57,8 @@ from .validation import (changed_inputs_problem, cross_rank_problem, data_parall
                          runtime_options_problem,
                          requirements_problem, split_problem, stage_problem, step_inputs_problem)
 
+
+logger = logging.getLogger("titan_dualpipe")
 
 
 def _agree_on_construction(name: str, stages: Any, n_microbatches: int) -> None:
@@ -492,9 +495,14 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         """Tell "measured" two-batch overlap what the step's lone actions took; once it has chosen,
         its stages split."""
         actions = self.pipeline_order_with_comms[self.rank]
+        undecided = choice.chosen is None
         choice.step_ended(executor.timeline or [], lone_forwards(actions), executor.split)
-        if choice.chosen is not None:
+        if undecided and choice.chosen is not None:
             self.two_batch_stages = set(choice.chosen)
+            saved = ", ".join(f"stage {s}: {seconds:+.4f} s" for s, seconds in sorted(choice.savings.items()))
+            logger.info("two-batch overlap (measured): splitting lone microbatches saved %s (all ranks, both rounds); "
+                        "stages %s split from now on", saved or "nothing (no microbatch split)",
+                        sorted(choice.chosen_everywhere))
 
     def _view(self, choice: MeasuredTwoBatch | None = None) -> ScheduleView:
         """What the executor sees of this schedule for one step (``choice``: "measured" two-batch
