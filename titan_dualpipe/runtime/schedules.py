@@ -479,11 +479,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         ordered = self.pair_order is not None and training  # eval() runs no pairs
         with self.pair_order.step() if ordered else contextlib.nullcontext():
             executor.run(self.pipeline_order_with_comms[self.rank])
-        if choice is not None and training:
-            self._two_batch_step_ended(choice, executor)
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
         with named_for_every_rank(scope, self.rank_name(), "after the last action"):
+            if choice is not None and training:  # its all-reduce fails as the step's other collectives do
+                self._two_batch_step_ended(choice, executor)
             self._after_step(executor)
         self.whole_backwards = set(executor.plan.whole)  # (stage, mb) whose I ran the full backward
         if self.record_timeline:
