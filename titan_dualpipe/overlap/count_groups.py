@@ -67,5 +67,5 @@ def count_group(group: Any) -> Any:
     """The communicator for ``group``'s token-count exchange: its twin, or ``group`` itself."""
     if group is None or not dist.is_initialized():
         return group
-    twins = _current_twins().mine
-    return twins.get(group_ranks(group), group) if twins else group
+    twins = _TWINS.get(dist.group.WORLD)  # read on every dispatch: makes nothing
+    return twins.mine.get(group_ranks(group), group) if twins is not None and twins.mine else group
