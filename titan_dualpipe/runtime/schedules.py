@@ -482,7 +482,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         if self.unshard_ops:
             raise RuntimeError(f"rank {self.rank}: unshard operations left unused: {sorted(self.unshard_ops)}")
         with named_for_every_rank(scope, self.rank_name(), "after the last action"):
-            if choice is not None and training:  # its all-reduce fails as the step's other collectives do
+            if choice is not None and choice.chosen is None and training:  # its all-reduce fails as the others do
                 self._two_batch_step_ended(choice, executor)
             self._after_step(executor)
         self.whole_backwards = set(executor.plan.whole)  # (stage, mb) whose I ran the full backward
@@ -492,12 +492,11 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._reset_step_state(None)  # the step's losses and receives are not kept past it
 
     def _two_batch_step_ended(self, choice: MeasuredTwoBatch, executor: StepExecutor) -> None:
-        """Tell "measured" two-batch overlap what the step's lone actions took; once it has chosen,
-        its stages split."""
+        """Tell "measured" two-batch overlap, still undecided, what the step's lone actions took;
+        once it has chosen, its stages split."""
         actions = self.pipeline_order_with_comms[self.rank]
-        undecided = choice.chosen is None
         choice.step_ended(executor.timeline or [], lone_forwards(actions), executor.split)
-        if undecided and choice.chosen is not None:
+        if choice.chosen is not None:
             self.two_batch_stages = set(choice.chosen)
             saved = ", ".join(f"stage {s}: {seconds:+.4f} s" for s, seconds in sorted(choice.savings.items()))
             logger.info("two-batch overlap (measured): splitting lone microbatches saved %s (all ranks, both rounds); "
