@@ -7,7 +7,7 @@ config with the probe.
 
 With ``PROBE_ENV`` set it records, at ``Trainer.close``, each rank's schedule class, its
 ``overlap`` setting, whether DualPipe's twins were folded into FSDP, how many pairs ran as a
-relay and how often their halves switched, and a hash of every parameter (and MoE expert
+relay and how often their halves switched, how many MoE layers exchanged in chunks, and a hash of every parameter (and MoE expert
 bias) of every stage (this rank's shard of it).
 """
 
@@ -40,6 +40,7 @@ def _install_probe(out_dir: str) -> None:
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     from titan_dualpipe.overlap import pair, sub_batches
+    from titan_dualpipe.titan import expert_chunks
 
     trainer_class = importlib.import_module(GEN.trainer_module).Trainer
     original_close = trainer_class.close
@@ -67,6 +68,15 @@ def _install_probe(out_dir: str) -> None:
         return done
 
     sub_batches.join_sub_batches, sub_batches.run_relayed = counted_join, counted_sub_batches_relayed
+    chunked = {"layers": 0, "exchanges": 0}  # MoE layer forwards that exchanged in chunks, and their exchanges
+    run_chunked = expert_chunks.run_chunked
+
+    def counted_run_chunked(routed, plan, experts):
+        chunked["layers"] += 1
+        chunked["exchanges"] += 2 * len(plan.experts)
+        return run_chunked(routed, plan, experts)
+
+    expert_chunks.run_chunked = counted_run_chunked
 
     def close(self) -> None:
         schedule = getattr(self, "pp_schedule", None)
@@ -78,6 +88,7 @@ def _install_probe(out_dir: str) -> None:
                 "folded": getattr(schedule, "fsdp_at_step_edges", None),
                 "relayed": relayed,
                 "halves": split,
+                "chunked": chunked,
                 "two_batch_stages": sorted(getattr(schedule, "two_batch_stages", ())),
                 "stages": {str(s.stage_index): _param_hashes(s.submod) for s in schedule._stages},
                 "deferred_weights": {str(s): names for s, names in getattr(schedule, "deferred_weights", {}).items()},

@@ -14,7 +14,7 @@ from cases.titan_runs import (FULL_AC, FULL_AC_LOG, NO_OVERLAP, REGISTRY, Run, a
                               assert_twins_identical, ok, train)
 from titan_dualpipe.orders import compute_order
 from titan_dualpipe.orders.lone_actions import lone_forwards, paired_backwards
-from titan_dualpipe.switches import FOLD_ENV, TWO_BATCH_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV
+from titan_dualpipe.switches import EXCHANGE_CHUNKS_ENV, FOLD_ENV, TWO_BATCH_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV
 from titan_dualpipe.testing.spawn import run_on_processes
 
 
@@ -114,7 +114,8 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     (a split microbatch's weight gradients are sums of two half-batch gradients: summation order).
     Full backwards compute their weight GEMMs while their exchanges fly (never inside a block's
     recomputation) and accumulate them in one order: a run computing them inline
-    (``TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT=0``) ends with bitwise the same weights."""
+    (``TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT=0``) ends with bitwise the same weights, and so does a
+    run whose MoE layers exchange in two chunks (``TITAN_DUALPIPE_EXCHANGE_CHUNKS=2``)."""
     steps = 3
     two_rows = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
                 "--training.seq_len", "32")
@@ -152,6 +153,16 @@ def test_moe_dualpipev_expert_parallel_overlaps_on_4_processes(runs_dir: Path) -
     for rank in range(4):
         assert whole.probe(rank)["deferred_in_flight"] > 0 and inline.probe(rank)["deferred_in_flight"] == 0
         assert inline.probe(rank)["stages"] == whole.probe(rank)["stages"], rank
+    chunked = ok(train("debug_moe_dualpipe", runs_dir / "moe_v_chunked", *args, probe=True, nproc=4, steps=steps,
+                       env={EXCHANGE_CHUNKS_ENV: "2"}))
+    assert "each MoE layer's token dispatch and combine run as 2 exchanges" in chunked.output
+    assert chunked.logged() == whole.logged()
+    for rank in range(4):
+        probe = chunked.probe(rank)
+        assert whole.probe(rank)["chunked"]["layers"] == 0 and probe["chunked"]["layers"] > 0, probe
+        if rank >= 2:  # both stages hold MoE layers: each exchange a hand-over, twice as many exchanges
+            assert probe["relayed"]["hand_overs"] == 2 * whole.probe(rank)["relayed"]["hand_overs"], rank
+        assert probe["stages"] == whole.probe(rank)["stages"], rank
 
 
 def test_moe_twin_expert_counts_summed() -> None:

@@ -413,6 +413,71 @@ def relayed_all_to_all_single(
     return _RelayedAllToAllSingle.apply(x, list(output_split_sizes), list(input_split_sizes), group)
 
 
+class PostedExchange:
+    """A :func:`post_relayed_all_to_all_single` in flight: :meth:`wait` hands over to the partner
+    half, waits, and returns the result, connected to the graph (its backward: the reverse
+    exchange, relayed)."""
+
+    def __init__(self, posted: torch.Tensor, group: Any, ready_at: float | None) -> None:
+        self.posted, self.group, self.ready_at = posted, group, ready_at
+
+    def wait(self) -> torch.Tensor:
+        return _WaitPosted.apply(self.posted, self)
+
+    def _wait(self, posted: torch.Tensor) -> torch.Tensor:
+        hand_over(ready_at=self.ready_at)  # the partner half computes while it flies
+        cost = _RELAYED_COST
+        if cost is None or self.ready_at is None:
+            return wait_collective(posted)
+        cost.stats.posted += 1
+        return cost.stats.wait_until(self.ready_at, lambda: wait_collective(posted))
+
+
+class _PostExchange(torch.autograd.Function):
+    """Forward: post the exchange (when it arrives goes to ``box``). Backward: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group, after, box):  # type: ignore[override]
+        ctx.splits, ctx.group = (output_split_sizes, input_split_sizes), group
+        cost, posted_at = _RELAYED_COST, time.perf_counter()
+        posted = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+        ready_at = None
+        if cost is not None:  # one link: a chunk flies once the chunk before it arrived
+            start = posted_at if after is None or after.ready_at is None else max(posted_at, after.ready_at)
+            ready_at = cost.ready_at(group, start + cost.seconds_for(x.shape[0]))
+            _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
+        box.append(ready_at)
+        return posted
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        output_split_sizes, input_split_sizes = ctx.splits
+        return (_exchange(grad.contiguous(), input_split_sizes, output_split_sizes, ctx.group, backward=True),
+                None, None, None, None, None)
+
+
+class _WaitPosted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, posted: torch.Tensor, exchange: PostedExchange) -> torch.Tensor:  # type: ignore[override]
+        return exchange._wait(posted).view_as(posted)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def post_relayed_all_to_all_single(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                                   group: dist.ProcessGroup, after: PostedExchange | None = None) -> PostedExchange:
+    """:func:`relayed_all_to_all_single` posted now and waited when the caller chooses
+    (:meth:`PostedExchange.wait`, which hands over to the partner half first), so that the caller
+    computes while it flies. ``after``: the exchange posted just before it on ``group``; under the
+    emulated network this one starts flying once that one arrived (one link, as the cut exchanges
+    of :mod:`titan_dualpipe.titan.expert_chunks` share it). Eager only."""
+    box: list[float | None] = []
+    posted = _PostExchange.apply(x, list(output_split_sizes), list(input_split_sizes), group, after, box)
+    return PostedExchange(posted, group, box[0])
+
+
 # Set by every run of a compiled graph that traced an exchange (dynamo replays the store after
 # the graph); read outside graphs by warn_once_if_exchange_traced.
 _exchange_traced = False

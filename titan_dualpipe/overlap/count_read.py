@@ -26,13 +26,24 @@ class TokenCounts:
     """A count exchange, read: what the dispatch needs on the device and on the host."""
 
     received: torch.Tensor  # the counts the peers sent, as the exchange returns them, arrived
-    input_splits: list[int]  # rows this rank sends to each peer
-    output_splits: list[int]  # rows each peer sends to this rank
+    local_counts: list[int]  # rows this rank sends to each expert, peer-major (on the host)
+    received_counts: list[int]  # rows each peer sends to each local expert, peer-major (on the host)
+    ep_size: int
+
+    @property
+    def input_splits(self) -> list[int]:
+        """Rows this rank sends to each peer."""
+        return _per_peer_on_host(self.local_counts, self.ep_size)
+
+    @property
+    def output_splits(self) -> list[int]:
+        """Rows each peer sends to this rank."""
+        return _per_peer_on_host(self.received_counts, self.ep_size)
 
 
-def per_peer(counts: torch.Tensor, ep_size: int) -> torch.Tensor:
-    """Per-expert token counts summed over each peer's experts."""
-    return counts.reshape(ep_size, -1).sum(dim=1)
+def _per_peer_on_host(counts: list[int], ep_size: int) -> list[int]:
+    per = len(counts) // ep_size
+    return [sum(counts[peer * per:(peer + 1) * per]) for peer in range(ep_size)]
 
 
 def read_token_counts(local: torch.Tensor, ep_size: int, post: Callable[[], torch.Tensor], group: Any) -> TokenCounts:
@@ -42,7 +53,7 @@ def read_token_counts(local: torch.Tensor, ep_size: int, post: Callable[[], torc
     if local.device.type == "cuda":
         return _read_beside_the_compute_stream(local, ep_size, post, group)
     received = count_exchange(post, group, read=wait_collective)
-    return TokenCounts(received, per_peer(local, ep_size).tolist(), per_peer(received, ep_size).tolist())
+    return TokenCounts(received, local.reshape(-1).tolist(), received.reshape(-1).tolist(), ep_size)
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}
@@ -68,7 +79,7 @@ def _read_beside_the_compute_stream(local: torch.Tensor, ep_size: int, post: Cal
     """Post the exchange from a side stream once the local counts are computed; hand over to the
     partner half while the counts travel (its turn only launches kernels, which queue on the
     compute stream behind nothing of this exchange); on the side stream, wait for the exchange and
-    copy both sides' per-peer sums into pinned host memory without blocking; wait on the host for
+    copy both sides' per-expert counts into pinned host memory without blocking; wait on the host for
     that copy's event alone, and make the compute stream wait for it before it uses the counts."""
     compute, side = torch.cuda.current_stream(local.device), _side_stream(local.device)
     side.wait_stream(compute)  # the local counts are computed on the compute stream
@@ -81,9 +92,9 @@ def _read_beside_the_compute_stream(local: torch.Tensor, ep_size: int, post: Cal
     def read(posted: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         with torch.cuda.stream(side):
             received = wait_collective(posted)  # the side stream waits for the exchange
-            sums = torch.cat([per_peer(local, ep_size), per_peer(received, ep_size)])
-            host = _pinned_like(sums)
-            host.copy_(sums, non_blocking=True)
+            both = torch.cat([local.reshape(-1), received.reshape(-1)])
+            host = _pinned_like(both)
+            host.copy_(both, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(side)
         copied.synchronize()  # the host waits for this exchange and its copy only
@@ -91,5 +102,5 @@ def _read_beside_the_compute_stream(local: torch.Tensor, ep_size: int, post: Cal
         _used_on(received, compute)
         return received, host.tolist()
 
-    received, sums = count_exchange(post_on_side, group, read=read, hand_over_between=True)
-    return TokenCounts(received, sums[:ep_size], sums[ep_size:])
+    received, counts = count_exchange(post_on_side, group, read=read, hand_over_between=True)
+    return TokenCounts(received, counts[:local.numel()], counts[local.numel():], ep_size)

@@ -29,6 +29,7 @@ class ActiveRun:
     folded: bool = False  # DualPipe's twins are one FSDP parameter (:mod:`.fold`)
     fold_window: FoldWindow = field(default_factory=FoldWindow)  # torchtitan's mesh lookups answer folded while open
     expert_parallel: bool = False  # expert_parallel_degree > 1: MoE stages exchange tokens
+    exchange_chunks: int = 1  # each MoE layer's dispatch and combine cut into this many exchanges (:mod:`.expert_chunks`)
 
     @property
     def one_rank_v(self) -> bool:

@@ -22,8 +22,10 @@ import torch
 
 from ..overlap.count_groups import count_group, make_count_groups
 from ..overlap.count_read import TokenCounts, read_token_counts
-from .generation import GEN
 from .active import ACTIVE
+from .expert_chunks import combined_in_chunks_022, dispatch_in_chunks_022
+from .expert_chunks import install as install_exchange_chunks
+from .generation import GEN
 
 
 def _dispatch_token_exchange(self: Any, routed: torch.Tensor, pg: Any, output_splits: list[int],
@@ -78,6 +80,8 @@ def _token_dispatch_022(original: Callable[..., Any]) -> Callable[..., Any]:
         with torch.no_grad():
             read = _read_on_count_communicator(
                 local, ep_size, lambda g: all_to_all_single(local, None, None, group=g), group)
+        if dispatch_in_chunks_022(mod, routed_input, read, device_mesh):
+            return routed_input, read.received  # GroupedExperts' forward exchanges, in chunks
         self.input_splits, self.output_splits = read.input_splits, read.output_splits
         routed_input = expert_parallel.all_to_all_single_autograd(
             routed_input, self.output_splits, self.input_splits, group)
@@ -87,6 +91,20 @@ def _token_dispatch_022(original: Callable[..., Any]) -> Callable[..., Any]:
 
     _token_dispatch._titan_dualpipe = True  # type: ignore[attr-defined]
     return _token_dispatch
+
+
+def _token_combine_022(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.2: ``ExpertParallel._token_combine``, a no-op after a forward that combined in chunks."""
+    if getattr(original, "_titan_dualpipe", False):
+        return original
+
+    def _token_combine(self: Any, mod: torch.nn.Module, routed_output: torch.Tensor, device_mesh: Any) -> Any:
+        if combined_in_chunks_022(mod):
+            return routed_output
+        return original(self, mod, routed_output, device_mesh)
+
+    _token_combine._titan_dualpipe = True  # type: ignore[attr-defined]
+    return _token_combine
 
 
 def _count_exchange_030(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,6 +147,14 @@ def _sync_030(original: Callable[..., Any]) -> Callable[..., Any]:
 
     _sync_token_count_exchange._titan_dualpipe = True  # type: ignore[attr-defined]
     return _sync_token_count_exchange
+
+
+def read_counts_030(dispatcher: Any, local: torch.Tensor, pg: Any, ep_size: int) -> TokenCounts:
+    """0.3.0: ``dispatcher``'s token-count exchange of ``local``, read (:func:`_count_exchange_030`)."""
+    read = _LAST_READ.take(dispatcher._token_count_exchange(local, pg, ep_size))
+    if read is None:  # traced or under spmd_types: the chunked path never runs there
+        raise RuntimeError("the token-count exchange was not read by titan_dualpipe")
+    return read
 
 
 # 0.2.2: the expert-parallel mesh an ExpertParallel style was applied with, kept on the module
@@ -256,6 +282,7 @@ def install() -> None:
         AllToAllTokenDispatcher._token_count_exchange = _count_exchange_030(AllToAllTokenDispatcher._token_count_exchange)
         AllToAllTokenDispatcher._sync_token_count_exchange = _sync_030(AllToAllTokenDispatcher._sync_token_count_exchange)
         _share_meshes_with_the_relay()
+        install_exchange_chunks(read_counts_030)
         return
     from torchtitan.distributed import expert_parallel
 
@@ -266,6 +293,8 @@ def install() -> None:
         if not isinstance(expert_parallel.ExpertParallel.__dict__.get(name), PerThread):
             setattr(expert_parallel.ExpertParallel, name, PerThread(name))
     expert_parallel.ExpertParallel._token_dispatch = _token_dispatch_022(expert_parallel.ExpertParallel._token_dispatch)
+    expert_parallel.ExpertParallel._token_combine = _token_combine_022(expert_parallel.ExpertParallel._token_combine)
+    install_exchange_chunks(read_counts_030)
     for style in (expert_parallel.ExpertParallel, expert_parallel.ExpertTensorParallel):
         if "_apply" in style.__dict__:
             style._apply = _recording_ep_mesh(style.__dict__["_apply"])

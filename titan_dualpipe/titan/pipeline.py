@@ -24,6 +24,7 @@ from ..switches import (COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGH
 from . import fold
 from .active import ACTIVE
 from .config_check import our_schedule
+from .expert_chunks import check_exchange_chunks
 from .generation import GEN
 
 V_STYLE_NAME = "ZBVZeroBubble"  # a torch schedule torchtitan places in a V
@@ -162,12 +163,13 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     if csv:
         schedule._load_csv(csv)
     count_twins = _make_count_communicators(stages)
+    check_exchange_chunks([stage.submod for stage in stages], ACTIVE.exchange_chunks, par.expert_parallel_degree)
     logger.info(
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
         + _twins_note(name, par) + _two_batch_note(schedule, par) + _pair_first_note(schedule)
         + _weight_gradients_note(schedule)
-        + _count_communicators_note(count_twins)
+        + _count_communicators_note(count_twins) + _exchange_chunks_note()
     )
     return schedule
 
@@ -194,6 +196,12 @@ def _count_communicators_note(twins: dict | None) -> str:
     if not twins:
         return ""
     return f"; token counts exchanged on their own communicator (expert-parallel ranks {sorted(map(list, twins))})"
+
+
+def _exchange_chunks_note() -> str:
+    if ACTIVE.exchange_chunks == 1 or not ACTIVE.expert_parallel:
+        return ""
+    return f"; each MoE layer's token dispatch and combine run as {ACTIVE.exchange_chunks} exchanges (by groups of experts)"
 
 
 def weight_gradient_options() -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from . import cpu, data, expert_overlap
 from .config_check import check_cpu_attention, check_job_config, our_schedule
+from .expert_chunks import exchange_chunks_option
 from .generation import GEN
 from .moe_twins import with_twin_expert_counts, with_twin_expert_counts_030
 from .active import ACTIVE
@@ -48,6 +49,7 @@ def prepare(job_config: Any) -> None:
     if not cpu.accelerator_present():
         check_cpu_attention(ACTIVE.plan, job_config)
     ACTIVE.expert_parallel = job_config.parallelism.expert_parallel_degree > 1
+    ACTIVE.exchange_chunks = exchange_chunks_option()
     expert_overlap.install()
     if GEN.registry and ACTIVE.plan.schedule == "DualPipe":
         _adapt_dualpipe_030(job_config)
