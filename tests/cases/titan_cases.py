@@ -210,3 +210,60 @@ def _init_parts_folded(rank: int, fsdp_mesh) -> tuple[list[int], list[float]]:
         with torch.no_grad():
             parts[part].init_weights(buffer_device=None)
     return order, [sums[0], sums[1]]
+
+
+def chunked_against_whole() -> list[dict[str, Any]]:
+    """2 ranks x 3 local experts, uneven routed counts: :func:`run_chunked` in 2 chunks against one
+    relayed exchange each way, each expert a weight of its own applied to its rows; the outputs,
+    the routed rows' gradient and every expert weight's gradient, bit for bit; and the collectives
+    in the order each rank posts and waits them."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titan_dualpipe.overlap.comm import relayed_all_to_all_single
+    from titan_dualpipe.titan.expert_chunks import plan_chunks, run_chunked
+
+    rank, ep, local, dim = dist.get_rank(), 2, 3, 4
+    group = dist.group.WORLD
+    counts = torch.tensor([[3, 0, 2, 1, 4, 2], [1, 2, 0, 3, 1, 1]])  # rows per global expert, per rank
+    received = counts[:, rank * local:(rank + 1) * local].reshape(-1).tolist()  # peer-major
+    gen = torch.Generator().manual_seed(rank)
+    routed = torch.randn(int(counts[rank].sum()), dim, generator=gen)
+    weights = torch.randn(local, dim, dim, generator=torch.Generator().manual_seed(7))
+    grad_out = torch.randn(routed.shape, generator=gen)
+
+    def expert_rows(x: torch.Tensor, w: torch.Tensor, per_peer_expert: list[int], experts: range) -> torch.Tensor:
+        """Rows arrive peer-major; each goes through its expert's weight."""
+        pieces, start = [], 0
+        for i, n in enumerate(per_peer_expert):
+            pieces.append(x[start:start + n] @ w[experts[i % len(experts)]])
+            start += n
+        return torch.cat(pieces)
+
+    def run(chunks: int) -> tuple[torch.Tensor, ...]:
+        x, w = routed.clone().requires_grad_(), weights.clone().requires_grad_()
+        if chunks == 1:
+            local_counts = counts[rank].tolist()
+            sends = [sum(local_counts[p * local:(p + 1) * local]) for p in range(ep)]
+            receives = [sum(received[p * local:(p + 1) * local]) for p in range(ep)]
+            arrived = relayed_all_to_all_single(x, receives, sends, group)
+            out = relayed_all_to_all_single(expert_rows(arrived, w, received, range(local)), sends, receives, group)
+        else:
+            plan = plan_chunks(counts[rank].tolist(), received, ep, chunks, group, x.device)
+            out = run_chunked(x, plan, lambda c, arrived: expert_rows(arrived, w, plan.received_counts[c],
+                                                                       plan.experts[c]))
+        out.backward(grad_out)
+        return out.detach(), x.grad, w.grad
+
+    log: list[str] = []
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "_c10d_functional":
+                log.append({"all_to_all_single": "post", "wait_tensor": "wait"}.get(func.overloadpacket.__name__, "?"))
+            return func(*args, **(kwargs or {}))
+
+    whole = run(1)
+    with Collectives():
+        chunked = run(2)
+    return _every_rank({"equal": [torch.equal(a, b) for a, b in zip(whole, chunked)], "log": log})

@@ -1,5 +1,5 @@
 """torchtitan's MoE exchanges cut by groups of experts (titan_dualpipe.titan.expert_chunks): the
-plan on hand-made counts, and the checks of the switch. The chunked training runs, bitwise against
+plan on hand-made counts, the chunks against one exchange on 2 ranks, and the checks of the switch. The chunked training runs, bitwise against
 whole exchanges, are in test_parallelisms.py (test_moe_dualpipev_expert_parallel_overlaps_on_4_processes)."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cases import titan_cases
 from titan_dualpipe.switches import EXCHANGE_CHUNKS_ENV
+from titan_dualpipe.testing.spawn import run_on_processes
 from titan_dualpipe.titan.expert_chunks import (check_exchange_chunks, exchange_chunks_option, expert_groups,
                                                 plan_chunks)
 from titan_dualpipe.titan.generation import GEN
@@ -76,3 +78,16 @@ def test_chunks_beyond_a_layers_local_experts_are_refused_before_the_first_step(
     with pytest.raises(ValueError, match=rf"{EXCHANGE_CHUNKS_ENV}=5: moe holds 4 experts on each of the 2 "
                                          "expert-parallel ranks; use an int from 1 to 4"):
         check_exchange_chunks([stage], 5, ep_degree=2)
+
+
+def test_chunks_are_bitwise_one_exchange_and_fly_behind_their_neighbours() -> None:
+    """Outputs and gradients bit for bit those of one exchange each way. The forward posts both
+    dispatch chunks before waiting for the first, and each combine before waiting for the next
+    dispatch; the backward posts both reverse combines before waiting for either, and each
+    reverse dispatch before waiting for the next reverse combine."""
+    results = run_on_processes(titan_cases.chunked_against_whole, 2)
+    forward = ["post", "post", "wait", "post", "wait", "post", "wait", "wait"]
+    backward = ["post", "post", "wait", "post", "wait", "post", "wait", "wait"]
+    for result in results:
+        assert result["equal"] == [True, True, True], result
+        assert result["log"] == forward + backward, result["log"]

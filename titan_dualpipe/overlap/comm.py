@@ -413,69 +413,97 @@ def relayed_all_to_all_single(
     return _RelayedAllToAllSingle.apply(x, list(output_split_sizes), list(input_split_sizes), group)
 
 
-class PostedExchange:
-    """A :func:`post_relayed_all_to_all_single` in flight: :meth:`wait` hands over to the partner
-    half, waits, and returns the result, connected to the graph (its backward: the reverse
-    exchange, relayed)."""
+class Link:
+    """The exchanges of one cut exchange share a link: under the emulated network each flies once
+    the one posted before it on the link arrived (forward: its dispatch chunks, then its combine
+    chunks; backward: their reverse exchanges, in the order autograd posts them)."""
 
-    def __init__(self, posted: torch.Tensor, group: Any, ready_at: float | None) -> None:
-        self.posted, self.group, self.ready_at = posted, group, ready_at
+    def __init__(self) -> None:
+        self.ready_at: float | None = None
+
+    def post(self, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any
+             ) -> tuple[torch.Tensor, float | None]:
+        """Post the exchange of ``x``; returns it (to be waited) and when it arrives (None: no emulated network)."""
+        cost, posted_at = _RELAYED_COST, time.perf_counter()
+        posted = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+        if cost is None:
+            return posted, None
+        start = posted_at if self.ready_at is None else max(posted_at, self.ready_at)
+        self.ready_at = cost.ready_at(group, start + cost.seconds_for(x.shape[0]))
+        _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
+        return posted, self.ready_at
+
+
+def _wait_posted(posted: torch.Tensor, ready_at: float | None, backward: bool) -> torch.Tensor:
+    """Hand over to the partner half, then wait for an exchange posted on a :class:`Link`."""
+    hand_over(backward=backward, ready_at=ready_at)  # the partner half computes while it flies
+    if backward:
+        fill_before_wait(ready_at)
+    cost = _RELAYED_COST
+    if cost is None or ready_at is None:
+        return wait_collective(posted)
+    cost.stats.posted += 1
+    return cost.stats.wait_until(ready_at, lambda: wait_collective(posted))
+
+
+class PostedExchange:
+    """A :func:`post_relayed_all_to_all_single` in flight. :meth:`wait` hands over to the partner
+    half, waits, and returns the result, connected to the graph. Backward: the wait's node posts
+    the reverse exchange, and the post's node, which autograd reaches later, waits for it, so a cut
+    exchange's reverse chunks fly while the chunks' other backward work runs."""
+
+    def __init__(self, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any,
+                 link: Link) -> None:
+        self.splits, self.group, self.link = (output_split_sizes, input_split_sizes), group, link
+        self.ready_at: float | None = None  # set as it is posted
+        self.reverse: tuple[torch.Tensor, float | None] | None = None  # set by the wait's backward
+        self.posted = _PostExchange.apply(x, self)
 
     def wait(self) -> torch.Tensor:
         return _WaitPosted.apply(self.posted, self)
 
-    def _wait(self, posted: torch.Tensor) -> torch.Tensor:
-        hand_over(ready_at=self.ready_at)  # the partner half computes while it flies
-        cost = _RELAYED_COST
-        if cost is None or self.ready_at is None:
-            return wait_collective(posted)
-        cost.stats.posted += 1
-        return cost.stats.wait_until(self.ready_at, lambda: wait_collective(posted))
+    def post_reverse(self, grad: torch.Tensor) -> None:
+        output_split_sizes, input_split_sizes = self.splits
+        self.reverse = self.link.post(grad.contiguous(), input_split_sizes, output_split_sizes, self.group)
+
+    def wait_reverse(self) -> torch.Tensor:
+        assert self.reverse is not None, "the reverse exchange is posted by the wait's backward"
+        (posted, ready_at), self.reverse = self.reverse, None
+        return _wait_posted(posted, ready_at, backward=True)
 
 
 class _PostExchange(torch.autograd.Function):
-    """Forward: post the exchange (when it arrives goes to ``box``). Backward: the reverse exchange."""
-
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group, after, box):  # type: ignore[override]
-        ctx.splits, ctx.group = (output_split_sizes, input_split_sizes), group
-        cost, posted_at = _RELAYED_COST, time.perf_counter()
-        posted = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
-        ready_at = None
-        if cost is not None:  # one link: a chunk flies once the chunk before it arrived
-            start = posted_at if after is None or after.ready_at is None else max(posted_at, after.ready_at)
-            ready_at = cost.ready_at(group, start + cost.seconds_for(x.shape[0]))
-            _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
-        box.append(ready_at)
+    def forward(ctx, x: torch.Tensor, exchange: PostedExchange) -> torch.Tensor:  # type: ignore[override]
+        ctx.exchange = exchange
+        output_split_sizes, input_split_sizes = exchange.splits
+        posted, exchange.ready_at = exchange.link.post(x, output_split_sizes, input_split_sizes, exchange.group)
         return posted
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        output_split_sizes, input_split_sizes = ctx.splits
-        return (_exchange(grad.contiguous(), input_split_sizes, output_split_sizes, ctx.group, backward=True),
-                None, None, None, None, None)
+    def backward(ctx, _: torch.Tensor):  # type: ignore[override]
+        return ctx.exchange.wait_reverse(), None
 
 
 class _WaitPosted(torch.autograd.Function):
     @staticmethod
     def forward(ctx, posted: torch.Tensor, exchange: PostedExchange) -> torch.Tensor:  # type: ignore[override]
-        return exchange._wait(posted).view_as(posted)
+        ctx.exchange = exchange
+        return _wait_posted(posted, exchange.ready_at, backward=False).view_as(posted)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.exchange.post_reverse(grad)
         return grad, None
 
 
 def post_relayed_all_to_all_single(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
-                                   group: dist.ProcessGroup, after: PostedExchange | None = None) -> PostedExchange:
+                                   group: dist.ProcessGroup, link: Link) -> PostedExchange:
     """:func:`relayed_all_to_all_single` posted now and waited when the caller chooses
     (:meth:`PostedExchange.wait`, which hands over to the partner half first), so that the caller
-    computes while it flies. ``after``: the exchange posted just before it on ``group``; under the
-    emulated network this one starts flying once that one arrived (one link, as the cut exchanges
-    of :mod:`titan_dualpipe.titan.expert_chunks` share it). Eager only."""
-    box: list[float | None] = []
-    posted = _PostExchange.apply(x, list(output_split_sizes), list(input_split_sizes), group, after, box)
-    return PostedExchange(posted, group, box[0])
+    computes while it flies; ``link``: shared by the exchanges of one cut exchange
+    (:mod:`titan_dualpipe.titan.expert_chunks`). Eager only."""
+    return PostedExchange(x, list(output_split_sizes), list(input_split_sizes), group, link)
 
 
 # Set by every run of a compiled graph that traced an exchange (dynamo replays the store after

@@ -217,6 +217,7 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
 
     from ..overlap.comm import emulate_relayed_exchanges
     from . import expert_overlap
+    from .expert_chunks import exchange_chunks_option
     from .trainer_hooks import trainer_classes
 
     if exchange_s > 0 and torch.cuda.is_available():
@@ -227,8 +228,10 @@ def install(out_dir: str, exchange_s: float, calibrate: bool) -> None:
     cost.count_hand_over = os.environ.get(COUNT_HAND_OVER_ENV, "0") == "1"
     record, clock = _Record(), _PhaseClock()
     _time_exposed(cost.stats, clock)
-    # the floor times segments with the host's clock: CPU runs only
-    recorder: ExposureRecorder | None = None if torch.cuda.is_available() else start_recording()
+    # The floor times segments with the host's clock: CPU runs only. Its model has one exchange in flight
+    # per half: runs that post a cut exchange's chunks at once get no floor (as in bench overlap).
+    floored = not torch.cuda.is_available() and exchange_chunks_option() == 1
+    recorder: ExposureRecorder | None = start_recording() if floored else None
 
     for trainer_class in trainer_classes():
         original_step, original_close = trainer_class.train_step, trainer_class.close

@@ -88,19 +88,15 @@ def run_chunked(routed: torch.Tensor, plan: ChunkPlan, experts: Callable[[int, t
     """Dispatch ``routed`` in the plan's chunks, ``experts(c, received)`` on each as it arrives
     (rows peer-major, its experts only; returns rows in the same order), combine each chunk back:
     the expert outputs in ``routed``'s row order."""
-    from ..overlap.comm import post_relayed_all_to_all_single
+    from ..overlap.comm import Link, post_relayed_all_to_all_single
 
+    link = Link()  # one link: each chunk flies once the one posted before it arrived
     sends = routed[plan.order].split([sum(s) for s in plan.send_splits])
-    dispatches: list = []
-    for send, out, inp in zip(sends, plan.receive_splits, plan.send_splits, strict=True):
-        after = dispatches[-1] if dispatches else None
-        dispatches.append(post_relayed_all_to_all_single(send, out, inp, plan.group, after=after))
-    combines: list = []
-    for c, dispatch in enumerate(dispatches):
-        out = experts(c, dispatch.wait())
-        after = combines[-1] if combines else dispatches[-1]
-        combines.append(post_relayed_all_to_all_single(out, plan.send_splits[c], plan.receive_splits[c], plan.group,
-                                                       after=after))
+    dispatches = [post_relayed_all_to_all_single(send, out, inp, plan.group, link)
+                  for send, out, inp in zip(sends, plan.receive_splits, plan.send_splits, strict=True)]
+    combines = [post_relayed_all_to_all_single(experts(c, dispatch.wait()), plan.send_splits[c],
+                                               plan.receive_splits[c], plan.group, link)
+                for c, dispatch in enumerate(dispatches)]
     return torch.cat([combine.wait() for combine in combines])[plan.restore]
 
 
@@ -126,6 +122,8 @@ def _routed_experts_030(original: Callable[..., Any], read_counts: Callable[...,
     (:func:`~titan_dualpipe.titan.expert_overlap.read_counts_030`)."""
     if getattr(original, "_titan_dualpipe", False):
         return original
+    from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
+    from torchtitan.distributed.utils import get_spmd_backend
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalDispatchMetadata
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
@@ -140,19 +138,22 @@ def _routed_experts_030(original: Callable[..., Any], read_counts: Callable[...,
         K = topk_scores_BLK.size(-1)
         routed, token_indices, scores = dispatcher._local_reorder(
             x_TD, topk_scores_BLK.view(-1, K), topk_expert_ids_BLK.view(-1, K))
-        ep_size, group = dispatcher.ep_mesh.size(), dispatcher.ep_mesh.get_group()
-        with torch.no_grad():
-            read = read_counts(dispatcher, num_local_tokens_per_expert_E, group, ep_size)
-        plan = plan_chunks(read.local_counts, read.received_counts, ep_size, chunks, group, routed.device)
-        local_experts = len(read.received_counts) // ep_size
+        ep_size = dispatcher.ep_mesh.size()
+        with maybe_set_sparse_mesh():  # as torchtitan's dispatch, combine and experts run
+            group = current_spmd_mesh().get_group("ep") if get_spmd_backend() == "spmd_types" \
+                else dispatcher.ep_mesh.get_group()
+            with torch.no_grad():
+                read = read_counts(dispatcher, num_local_tokens_per_expert_E, group, ep_size)
+            plan = plan_chunks(read.local_counts, read.received_counts, ep_size, chunks, group, routed.device)
+            local_experts = len(read.received_counts) // ep_size
 
-        def experts(c: int, received: torch.Tensor) -> torch.Tensor:
-            counts = torch.tensor(plan.received_counts[c], dtype=read.received.dtype, device=received.device)
-            shape, permuted, indices, per_expert = dispatcher._permute(received, counts)
-            out = self.inner_experts(permuted, _all_experts(per_expert, plan.experts[c], local_experts))
-            return dispatcher._unpermute(out, shape, indices)
+            def experts(c: int, received: torch.Tensor) -> torch.Tensor:
+                counts = torch.tensor(plan.received_counts[c], dtype=read.received.dtype, device=received.device)
+                shape, permuted, indices, per_expert = dispatcher._permute(received, counts)
+                out = self.inner_experts(permuted, _all_experts(per_expert, plan.experts[c], local_experts))
+                return dispatcher._unpermute(out, shape, indices)
 
-        routed_out = run_chunked(routed, plan, experts)
+            routed_out = run_chunked(routed, plan, experts)
         metadata = LocalDispatchMetadata(token_indices_experts_sorted_N=token_indices,
                                          topk_scores_experts_sorted_N=scores)
         return LocalTokenDispatcher.combine(dispatcher, routed_out, metadata, x_TD).view(B, -1, D)
@@ -237,7 +238,8 @@ def install(read_counts_030: Callable[..., Any]) -> None:
 def check_exchange_chunks(modules: Iterable[torch.nn.Module], chunks: int, ep_degree: int) -> None:
     """Before the first step: ``chunks`` fits every MoE layer of ``modules`` (at most the experts
     each of the ``ep_degree`` expert-parallel ranks holds) and each exchanges through torchtitan's
-    all-to-all dispatch; ValueError otherwise."""
+    all-to-all dispatch; ValueError otherwise. (0.3.0's SPMD type checking, which the chunked path
+    does not repeat, is refused by torchtitan itself under pipeline parallelism.)"""
     if chunks == 1:
         return
     for module in modules:
@@ -250,6 +252,9 @@ def check_exchange_chunks(modules: Iterable[torch.nn.Module], chunks: int, ep_de
             # by name along the MRO: FSDP2 and deferred weight GEMMs put classes of their own on top
             if weight is None or all(c.__name__ != "GroupedExperts" for c in type(m).__mro__):
                 continue
+            if "etp" in (getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ()):
+                raise ValueError(f"{EXCHANGE_CHUNKS_ENV}={chunks}: {name} is split by expert tensor parallelism, "
+                                 "whose dispatch is not cut; unset the variable or set expert_tensor_parallel_degree 1")
             local = weight.shape[0] // ep_degree  # a DTensor's shape is the whole one: every expert
             if chunks > local:
                 raise ValueError(f"{EXCHANGE_CHUNKS_ENV}={chunks}: {name} holds {local} experts on each of the "
