@@ -53,6 +53,7 @@ def test_dry_run_subcommands_parse_with_our_command_line(capsys):
     check, overlap, split = parsed["check"], parsed["bench overlap"], parsed["bench compile"]
     assert (check.command, check.nproc, check.backend, check.json) == ("check", 1, "nccl", True)
     assert (overlap.kind, overlap.device, overlap.pp, overlap.ep, overlap.json) == ("overlap", "cuda", 1, 1, True)
+    assert overlap.exchange_chunks == 2  # chunked exchanges beside whole ones
     assert (split.kind, split.device, split.json) == ("compile", "cuda", True)
     assert parsed["train"].command == "train" and parsed["bench titan"].kind == "titan"
 
@@ -183,6 +184,9 @@ def test_key_figures_from_each_part():
     assert gpu_kit.overlap_figures("calibrating\n" + json.dumps(overlap, indent=2)) == (
         "overlap/sequential 0.500; ms/step: overlap 100.0, sequential 200.0; "
         "exposed comm ms/step: overlap 10.0, sequential 50.0; 1.25 ms per all-to-all")
+    chunked = {**overlap, "exchange_chunks": {"overlap": [1.2, 1.0, 1.1], "overlap_relay": [0.9, 0.8]}}
+    assert gpu_kit.overlap_figures(json.dumps(chunked)).endswith(
+        "; 2 chunks / whole step, median of rounds: overlap 1.100, overlap_relay 0.850")
     titan = {"schedules": {"1F1B": {"step_time": 0.05, "tokens_per_s": 20480.0, "exposed_comm": 0.0}},
              "phases": {"1F1B": {"clip": 0.001, "optimizer": 0.002, "other": 0.047}}}
     assert gpu_kit.bench_titan_figures(json.dumps(titan, indent=2)) == (

@@ -460,7 +460,9 @@ class PostedExchange:
         self.posted = _PostExchange.apply(x, self)
 
     def wait(self) -> torch.Tensor:
-        return _WaitPosted.apply(self.posted, self)
+        # the graph's nodes hold this object until their backward: it lets go of the buffer here
+        posted, self.posted = self.posted, None
+        return _WaitPosted.apply(posted, self)
 
     def post_reverse(self, grad: torch.Tensor) -> None:
         output_split_sizes, input_split_sizes = self.splits
