@@ -469,7 +469,8 @@ class PostedExchange:
         self.reverse = self.link.post(grad.contiguous(), input_split_sizes, output_split_sizes, self.group)
 
     def wait_reverse(self) -> torch.Tensor:
-        assert self.reverse is not None, "the reverse exchange is posted by the wait's backward"
+        if self.reverse is None:
+            raise RuntimeError("a posted exchange's backward ran before its wait's backward posted the reverse exchange")
         (posted, ready_at), self.reverse = self.reverse, None
         return _wait_posted(posted, ready_at, backward=True)
 

@@ -5,7 +5,9 @@ experts, as our MoE module's ``exchange_chunks`` does: chunk ``c`` carries the t
 rank's ``c``-th group. All dispatch chunks are posted at once; each chunk's experts run (through
 torchtitan's own permutation and ``GroupedExperts``, the other experts given no tokens) as soon as
 it arrived, while the next flies, and post its combine. Every expert's GEMMs see all its tokens in
-the same order as one exchange gives them, so the result is bitwise that of ``k = 1``. Taken over:
+the same order as one exchange gives them, so the result is bitwise that of ``k = 1``. In the
+backward the reverse chunks fly while the chunks' other backward work runs (:class:`PostedExchange
+<titan_dualpipe.overlap.comm.PostedExchange>`). Taken over:
 0.3.0 ``RoutedExperts.forward`` (the ``AllToAllTokenDispatcher``); 0.2.2 ``ExpertParallel``'s
 dispatch, ``GroupedExperts.forward`` and its combine. docs/overlap.md#chunked-exchanges.
 """
