@@ -10,8 +10,8 @@ import torch
 from cases import titan_cases
 from titan_dualpipe.switches import EXCHANGE_CHUNKS_ENV
 from titan_dualpipe.testing.spawn import run_on_processes
-from titan_dualpipe.titan.expert_chunks import (check_exchange_chunks, exchange_chunks_option, expert_groups,
-                                                plan_chunks)
+from titan_dualpipe.overlap.moe import expert_groups
+from titan_dualpipe.titan.expert_chunks import check_exchange_chunks, exchange_chunks_option, plan_chunks
 from titan_dualpipe.titan.generation import GEN
 
 

@@ -356,20 +356,37 @@ def emulate_relayed_exchanges(seconds: float | None) -> RelayedExchangeCost | No
     return _RELAYED_COST
 
 
-def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
-              backward: bool) -> torch.Tensor:
+def _post(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
+          not_before: float | None = None) -> tuple[torch.Tensor, float | None]:
+    """Post the exchange of ``x``; returns it (to be waited) and, under the emulated network, when it
+    arrives: in order behind the exchanges posted before it on its communicator, and flying from
+    ``not_before`` at the earliest (None: no emulated network)."""
     cost, posted_at = _RELAYED_COST, time.perf_counter()
-    pending = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
-    ready_at = None if cost is None else cost.ready_at(group, posted_at + cost.seconds_for(x.shape[0]))
-    if cost is not None:  # in order behind the exchanges posted before it on its communicator
-        _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
-    hand_over(backward=backward, ready_at=ready_at)  # the partner half of a relayed pair computes while it flies
+    posted = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+    if cost is None:
+        return posted, None
+    start = posted_at if not_before is None else max(posted_at, not_before)
+    ready_at = cost.ready_at(group, start + cost.seconds_for(x.shape[0]))
+    _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
+    return posted, ready_at
+
+
+def _wait(posted: torch.Tensor, ready_at: float | None, backward: bool) -> torch.Tensor:
+    """Hand over to the partner half of a relayed pair (it computes while the exchange flies), then
+    wait for the exchange :func:`_post` posted."""
+    hand_over(backward=backward, ready_at=ready_at)
     if backward:
         fill_before_wait(ready_at)
-    if cost is None:
-        return wait_collective(pending)
+    cost = _RELAYED_COST
+    if cost is None or ready_at is None:
+        return wait_collective(posted)
     cost.stats.posted += 1
-    return cost.stats.wait_until(ready_at, lambda: wait_collective(pending))
+    return cost.stats.wait_until(ready_at, lambda: wait_collective(posted))
+
+
+def _exchange(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group,
+              backward: bool) -> torch.Tensor:
+    return _wait(*_post(x, output_split_sizes, input_split_sizes, group), backward=backward)
 
 
 def count_exchange(post: Callable[[], T], group: Any, read: Callable[[T], Any], hand_over_between: bool = False) -> Any:
@@ -423,27 +440,9 @@ class Link:
 
     def post(self, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any
              ) -> tuple[torch.Tensor, float | None]:
-        """Post the exchange of ``x``; returns it (to be waited) and when it arrives (None: no emulated network)."""
-        cost, posted_at = _RELAYED_COST, time.perf_counter()
-        posted = post_all_to_all_single(x, output_split_sizes, input_split_sizes, group)
-        if cost is None:
-            return posted, None
-        start = posted_at if self.ready_at is None else max(posted_at, self.ready_at)
-        self.ready_at = cost.ready_at(group, start + cost.seconds_for(x.shape[0]))
-        _record_posted(cost.seconds_for(x.shape[0]), channel_of(group))
+        """:func:`_post` on this link."""
+        posted, self.ready_at = _post(x, output_split_sizes, input_split_sizes, group, not_before=self.ready_at)
         return posted, self.ready_at
-
-
-def _wait_posted(posted: torch.Tensor, ready_at: float | None, backward: bool) -> torch.Tensor:
-    """Hand over to the partner half, then wait for an exchange posted on a :class:`Link`."""
-    hand_over(backward=backward, ready_at=ready_at)  # the partner half computes while it flies
-    if backward:
-        fill_before_wait(ready_at)
-    cost = _RELAYED_COST
-    if cost is None or ready_at is None:
-        return wait_collective(posted)
-    cost.stats.posted += 1
-    return cost.stats.wait_until(ready_at, lambda: wait_collective(posted))
 
 
 class PostedExchange:
@@ -472,7 +471,7 @@ class PostedExchange:
         if self.reverse is None:
             raise RuntimeError("a posted exchange's backward ran before its wait's backward posted the reverse exchange")
         (posted, ready_at), self.reverse = self.reverse, None
-        return _wait_posted(posted, ready_at, backward=True)
+        return _wait(posted, ready_at, backward=True)
 
 
 class _PostExchange(torch.autograd.Function):
@@ -492,7 +491,7 @@ class _WaitPosted(torch.autograd.Function):
     @staticmethod
     def forward(ctx, posted: torch.Tensor, exchange: PostedExchange) -> torch.Tensor:  # type: ignore[override]
         ctx.exchange = exchange
-        return _wait_posted(posted, exchange.ready_at, backward=False).view_as(posted)
+        return _wait(posted, exchange.ready_at, backward=False).view_as(posted)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

@@ -69,6 +69,13 @@ class MoEArgs:
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
 
+def expert_groups(local_experts: int, chunks: int) -> list[range]:
+    """The local experts of each exchange chunk: consecutive groups, their sizes differing by at most one."""
+    base, extra = divmod(local_experts, chunks)
+    starts = [c * base + min(c, extra) for c in range(chunks + 1)]
+    return [range(starts[c], starts[c + 1]) for c in range(chunks)]
+
+
 def _check_exchange_chunks(chunks: Any, experts: int, what: str) -> None:
     """A chunk holds whole experts, so there are at most as many chunks as (local) experts."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= experts:
@@ -176,15 +183,13 @@ class MoE(nn.Module):
         return [None] if self.exchange_chunks == 1 else list(range(self.exchange_chunks))
 
     def _chunk_sizes(self) -> list[int]:
-        base, extra = divmod(self.num_local_experts, self.exchange_chunks)
-        return [base + (i < extra) for i in range(self.exchange_chunks)]
+        return [len(g) for g in expert_groups(self.num_local_experts, self.exchange_chunks)]
 
     def _chunk_experts(self, chunk: int | None) -> slice | None:
         if chunk is None:
             return None
-        sizes = self._chunk_sizes()
-        start = sum(sizes[:chunk])
-        return slice(start, start + sizes[chunk])
+        g = expert_groups(self.num_local_experts, self.exchange_chunks)[chunk]
+        return slice(g.start, g.stop)
 
     def split_dispatch(self, send: torch.Tensor) -> list[torch.Tensor]:
         """The dispatch buffer ``[ep, local experts, capacity, dim]`` cut by local experts, one piece per

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..overlap.moe import expert_groups
 from ..switches import EXCHANGE_CHUNKS_ENV
 from .active import ACTIVE
 from .generation import GEN
@@ -35,13 +36,6 @@ def exchange_chunks_option() -> int:
         raise ValueError(f"{EXCHANGE_CHUNKS_ENV}={value!r}: use an int from 1 (one dispatch and one combine per "
                          "MoE layer, the default) to the number of local experts")
     return int(value)
-
-
-def expert_groups(local_experts: int, chunks: int) -> list[range]:
-    """Consecutive groups of local experts, one per chunk, their sizes differing by at most one."""
-    base, extra = divmod(local_experts, chunks)
-    starts = [c * base + min(c, extra) for c in range(chunks + 1)]
-    return [range(starts[c], starts[c + 1]) for c in range(chunks)]
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def _sync_030(original: Callable[..., Any]) -> Callable[..., Any]:
 def read_counts_030(dispatcher: Any, local: torch.Tensor, pg: Any, ep_size: int) -> TokenCounts:
     """0.3.0: ``dispatcher``'s token-count exchange of ``local``, read (:func:`_count_exchange_030`)."""
     read = _LAST_READ.take(dispatcher._token_count_exchange(local, pg, ep_size))
-    if read is None:  # traced or under spmd_types: the chunked path never runs there
+    if read is None:  # traced: the chunked path never runs there
         raise RuntimeError("the token-count exchange was not read by titan_dualpipe")
     return read
 
