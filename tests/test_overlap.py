@@ -380,8 +380,8 @@ def test_which_half_runs_first_changes_no_bit(pool, schedule, mode):
     """``pair_first``: the relayed MoE pipeline (EP 2, exchanges of 2 ms emulated) with the backward
     first, or as measured in the second step, matches the reference and the forward-first run bit for
     bit over three steps. "backward" starts every relay with its backward; "measured" decides after
-    the second step, the same on every rank, and from the third starts with its backward exactly the
-    relays of the kinds it chose."""
+    the second step, the same on every rank, and from the third runs every relay of a kind with the
+    first half and plan it chose for the kind."""
     results = pool.run(cases.pair_first_numerics, schedule=schedule, n=4, mode=mode, latency_s=2e-3)
     assert all(r["bitwise_tensors"] > 0 for r in results), results
     assert sum(r["losses_checked"] for r in results) > 0, results
@@ -393,6 +393,17 @@ def test_which_half_runs_first_changes_no_bit(pool, schedule, mode):
     chosen = [r["chosen"] for r in results]
     assert chosen[0] is not None and all(c == chosen[0] for c in chosen), results  # decided, and agreed
     assert all(r["savings"] for r in results), results  # the emulated exchanges gave every kind a figure
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
+def test_a_plan_that_keeps_turns_changes_no_bit(pool, schedule):
+    """"measured" with every kind's plan then made to keep each half's first turn (a half waits for
+    its own exchange, as where the floor's order is no alternation): the same bits as the forward
+    first, every rank's relays following the plan, and no hang from the changed order of posts."""
+    results = pool.run(cases.pair_first_numerics, schedule=schedule, n=4, mode="measured", latency_s=2e-3,
+                       keep_first_turns=True)
+    assert all(r["bitwise_tensors"] > 0 and r["mismatched_relays"] == 0 for r in results), results
+    assert all(r["kept_turns"][:2] == [0, 0] and r["kept_turns"][2] > 0 for r in results), results
 
 
 @pytest.mark.parametrize("schedule,n,relay,checkpoint,fsdp,two_batch", [

@@ -40,6 +40,23 @@ def test_halves_take_turns_at_hand_overs_backward_first():
     assert done.hand_overs == 2 and done.backward_started  # the forward's second found the backward ended
 
 
+def test_a_plan_keeps_a_half_running_at_the_hand_overs_it_names():
+    """A plan (``pair_first="measured"``'s) switches only where it says; a recorder counts every
+    hand-over a half offered, switching or not."""
+    log: list = []
+    record = start_recording()
+    try:
+        done = run_relayed(_half("F", 3, log), _half("B", 2, log), plan=((False, True), (True,)), kind=(0, 3))
+        (pair,) = record.take().pairs
+    finally:
+        stop_recording()
+    assert log == ["F0", "F1", "B0", "F2", "B1"]
+    assert done.hand_overs == 2 and done.offers == [2, 1] and pair.offers == (2, 1)
+    log.clear()
+    done = run_relayed(_half("F", 3, log), _half("B", 2, log), first=BACKWARD, plan=((), (False,)))
+    assert log == ["B0", "B1", "F0", "F1", "F2"] and done.hand_overs == 0  # past its plan, F finds B ended
+
+
 def test_a_backward_first_that_never_hands_over_is_followed_by_its_forward():
     log: list = []
     done = run_relayed(_half("F", 2, log), lambda: log.append(threading.get_ident()), first=BACKWARD)

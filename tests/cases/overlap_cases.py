@@ -446,12 +446,15 @@ def _counting_hand_overs() -> Iterator[list]:
         pair_module.run_relayed = real
 
 
-def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0, steps: int = 3) -> dict:
+def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0, steps: int = 3,
+                        keep_first_turns: bool = False) -> dict:
     """The relayed MoE pipeline with ``pair_first=mode`` and with the forward first: each the
     reference's losses and gradients, and each other's bit for bit, over ``steps`` steps with Adam
     between; ``latency_s``: every exchange takes that long (an emulated network: times known, as
-    "measured" needs). Returns, per step, how many relays ran each half first, and under "measured"
-    the kinds chosen after the second step (compared across ranks by the test)."""
+    "measured" needs). Returns, per step, how many relays ran backward first and how many hand-overs
+    kept the turn, and under "measured" the order chosen per kind after the second step (its first
+    half and plan, compared across ranks by the test). ``keep_first_turns``: each plan "measured"
+    decides is then made to keep every half's turn at its first hand-over."""
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
     runs = {first: build(schedule, n, overlap=True, checkpoint=False, fsdp=False, module_cls=RelayedMoETransformer,
@@ -462,30 +465,41 @@ def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = [torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2) for r in runs.values()]
     result: dict[str, Any] = {"grad_err": 0.0, "bitwise_tensors": 0, "losses_checked": 0, "first": [], "chosen": None,
-                              "mismatched_relays": 0}
+                              "mismatched_relays": 0, "kept_turns": []}
     order = runs[mode][2].pair_order
+    if keep_first_turns:
+        decide = order._decide
+
+        def decide_then_keep_first_turns(pairs: list) -> None:
+            decide(pairs)
+            order.orders = {kind: dataclasses.replace(o, plan=tuple((False, *half[1:]) if half else half
+                                                                    for half in o.plan or ((True,), (True,))))
+                            for kind, o in order.orders.items()}
+
+        order._decide = decide_then_keep_first_turns
     for step in range(steps):
         want = _reference_losses(reference, step, n, ep_index)
         x, y = batch(step, n, ep_index)
         got = {}
         for first, (_, modules, sched, _) in runs.items():
-            chosen = set(order.backward_first) if first == mode else set()
+            chosen = dict(order.orders or {}) if first == mode else {}
             with _counting_hand_overs() as relays:
                 losses = _step(sched, modules, place, x, y)
             got[first == mode] = _checked_against_reference(modules, reference, losses, want, False, first, step,
                                                              result)
             if first == mode:
                 result["first"].append(sum(r.first for r in relays))  # relays that ran backward first
-                kinds = [(r.first, r.kind) for r in relays]
-                expected = 1 if mode == "backward" else None
-                result["mismatched_relays"] += sum(
-                    f != (expected if expected is not None else int(k in chosen)) for f, k in kinds)
+                result["kept_turns"].append(sum(not switch for r in relays for half in r.plan or () for switch in half))
+                for r in relays:
+                    kind = chosen.get(r.kind)
+                    expected = (1, None) if mode == "backward" else (0, None) if kind is None else (kind.first, kind.plan)
+                    result["mismatched_relays"] += (r.first, r.plan) != expected
         result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: pair_first={mode}")
         for opt in (*opts, ref_opt):
             opt.step()
             opt.zero_grad()
-    if order.savings is not None:
-        result["chosen"] = sorted(order.backward_first)
+    if order.orders is not None:
+        result["chosen"] = sorted((kind, o.first, o.plan) for kind, o in order.orders.items())
         result["savings"] = sorted(order.savings.items())
     return result
 

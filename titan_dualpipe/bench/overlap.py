@@ -270,24 +270,27 @@ def _v_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
     }
 
 
-MEASURED_FIRST = "relay_measured_first"  # the relay, each kind of pair started with the half measured to expose less
+# the relay with pair_first="measured" (each kind of pair in the order measured to expose least) and
+# "measured_first" (alternating, from the half measured to expose less)
+MEASURED = ("relay_measured_order", "relay_measured_first")
 # two-batch overlap on the stages where the run's own times say it pays: through the protocol, as a relay
 TWO_BATCH_MEASURED = ("overlap_two_batch_measured", "relay_two_batch_measured")
 # warm-up steps before the timed rounds: one (shape inference, the allocator), and what "measured" options time
-WARM_UP_STEPS = {MEASURED_FIRST: 2, TWO_BATCH_MEASURED[0]: 5, TWO_BATCH_MEASURED[1]: 5}
+WARM_UP_STEPS = {MEASURED[0]: 2, MEASURED[1]: 2, TWO_BATCH_MEASURED[0]: 5, TWO_BATCH_MEASURED[1]: 5}
 
 
 def _relay_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
     """Overlap and two-batch overlap (on, and "measured") as a relay, and the relay with
-    ``pair_first="measured"``, each on its own copy."""
+    ``pair_first="measured"`` and ``"measured_first"``, each on its own copy."""
     from .. import ScheduleDualPipeV
 
     feeds = parts.pp_rank == 0
     return {
         "overlap_relay": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
                                             overlap=True), feeds),
-        MEASURED_FIRST: (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
-                                           overlap=True, pair_first="measured"), feeds),
+        **{name: (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss, overlap=True,
+                                    pair_first=mode), feeds)
+           for name, mode in zip(MEASURED, ("measured", "measured_first"))},
         "relay_two_batch": (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,
                                               overlap=True, two_batch_overlap=True), feeds),
         TWO_BATCH_MEASURED[1]: (ScheduleDualPipeV(parts.stages(parts.v_modules(relay=True)), n, loss_fn=lm_loss,

@@ -86,8 +86,10 @@ VARIANTS = (
     # relayed pairs started with their backward half, always or where the second step measures it exposes less
     Variant("DualPipeV backward first", "DualPipeV", overlap=True, pair_first="backward"),
     Variant("DualPipe backward first", "DualPipe", overlap=True, pair_first="backward"),
-    Variant("DualPipeV measured first", "DualPipeV", overlap=True, pair_first="measured"),
-    Variant("DualPipe measured first", "DualPipe", overlap=True, pair_first="measured"),
+    Variant("DualPipeV measured first", "DualPipeV", overlap=True, pair_first="measured_first"),
+    Variant("DualPipe measured first", "DualPipe", overlap=True, pair_first="measured_first"),
+    Variant("DualPipeV measured order", "DualPipeV", overlap=True, pair_first="measured"),
+    Variant("DualPipe measured order", "DualPipe", overlap=True, pair_first="measured"),
     # each MoE layer's exchanges cut in two by groups of experts, pipelined with their experts
     Variant("DualPipeV chunks 2", "DualPipeV", overlap=True, exchange_chunks=2),
     Variant("DualPipe chunks 2", "DualPipe", overlap=True, exchange_chunks=2),
@@ -123,7 +125,7 @@ OPTIONS: dict[str, dict] = {
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
                              "'... shared count comm', '... two-batch', '... W at I', '... W inline', '... W fill', "
-                             "'... W all deferred', '... backward first', '... measured first' and '... chunks 2')"),
+                             "'... W all deferred', '... backward first', '... measured first', '... measured order' and '... chunks 2')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),

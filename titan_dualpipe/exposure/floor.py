@@ -6,7 +6,8 @@ exchanges fly. Exchanges on one ``channel`` (a communicator) queue ``"fifo"`` (e
 earlier than the one posted before it, as NCCL) or ``"serial"`` (each starts once the one before
 has arrived: one side stream); ``channel=None`` flies on its own. :func:`floor` finds the order
 that leaves compute least idle, by a dynamic program over the segments done in each half;
-:func:`lone_exposure` is a half without a partner. The floor tells how much of a run's exposure
+:func:`lone_exposure` is a half without a partner; :func:`hand_over_plan` turns an order into
+what a relay does at each hand-over. The floor tells how much of a run's exposure
 is the runtime's order and how much the work's shape. The model, and why the program is exact:
 docs/overlap.md#the-floor.
 """
@@ -49,6 +50,8 @@ class Segment:
 
 
 Half = Sequence[Segment]
+# per half of a pair, at each of its hand-overs in turn: does the partner run next?
+HandOverPlan = tuple[tuple[bool, ...], tuple[bool, ...]]
 
 
 @dataclass(frozen=True)
@@ -215,12 +218,13 @@ def _non_dominated(states: list[tuple[_Run, tuple[int, ...]]]) -> list[tuple[_Ru
     return [(run, order) for _, run, order in kept]
 
 
-def relay_order(halves: Sequence[Half], first: int = 0) -> tuple[int, ...]:
+def relay_order(halves: Sequence[Half], first: int = 0, plan: HandOverPlan | None = None) -> tuple[int, ...]:
     """The order the runtime's policy gives: ``first`` runs until it posts an exchange it hands
-    over at, then the other half, and so on; a half whose partner has ended runs on alone."""
+    over at, then the other half, and so on; a half whose partner has ended runs on alone.
+    ``plan``: per half, whether it switches at each of its hand-overs in turn (past its end: yes)."""
     prepared, _ = _prepare(halves, "fifo")
     lengths = [len(h) for h in prepared]
-    done, order, h = [0] * len(prepared), [], first
+    done, offers, order, h = [0] * len(prepared), [0] * len(prepared), [], first
     while len(order) < sum(lengths):
         if done[h] == lengths[h]:
             h = 1 - h
@@ -228,8 +232,28 @@ def relay_order(halves: Sequence[Half], first: int = 0) -> tuple[int, ...]:
         order.append(h)
         done[h] += 1
         if segment.exchange is not None and segment.exchange.switch and len(prepared) == 2:
-            h = 1 - h
+            switches = plan is None or offers[h] >= len(plan[h]) or plan[h][offers[h]]
+            offers[h] += 1
+            h = 1 - h if switches else h
     return tuple(order)
+
+
+def hand_over_plan(halves: Sequence[Half], order: Sequence[int]) -> tuple[int, HandOverPlan]:
+    """How a relay runs ``order`` (two halves): the half that runs first, and for each half, at each
+    of its hand-overs in turn (each exchange it may switch at), whether the partner runs next.
+    ValueError for an order :func:`run_in_order` refuses."""
+    prepared, _ = _prepare(halves, "fifo")
+    if len(prepared) != 2:
+        raise ValueError(f"a hand-over plan is for a pair of two halves, got {len(prepared)}")
+    run_in_order(prepared, order)  # checks the order
+    done, plan = [0, 0], ([], [])
+    for position, h in enumerate(order):
+        segment = prepared[h][done[h]]
+        done[h] += 1
+        if segment.exchange is not None and segment.exchange.switch:
+            following = order[position + 1] if position + 1 < len(order) else h
+            plan[h].append(following != h)
+    return order[0], (tuple(plan[0]), tuple(plan[1]))
 
 
 def lone_exposure(half: Half) -> float:

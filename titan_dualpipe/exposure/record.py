@@ -31,6 +31,7 @@ class HalfTrace:
         self._since: float | None = None  # computing since (None: stopped or blocked)
         self._begun: int | None = None  # when the open segment began
         self._pending: list | None = None  # [seconds, channel, compute at the post, switch]
+        self.offers = 0  # hand-overs offered (switching or not): a relay's plan counts them
 
     def _compute_at(self, t: float) -> float:
         return self._compute + (t - self._since if self._since is not None else 0.0)
@@ -52,6 +53,7 @@ class HalfTrace:
         self._pending = [seconds, channel, self._compute_at(t), False]
 
     def switch(self) -> None:
+        self.offers += 1
         if self._pending is not None:
             self._pending[3] = True
 
@@ -90,7 +92,8 @@ class PairTrace:
     (the half of each segment), the measured waits of each half, and when the pair ran;
     ``late``: seconds of the waits past the exchanges' own arrival (a peer posting late, a sleep
     woken late), which the floor's model does not see; ``kind``: what the runtime filed it under
-    (a relayed pair's stages), None where it filed it under nothing."""
+    (a relayed pair's stages), None where it filed it under nothing; ``offers``: each half's
+    hand-overs (whether or not the partner ran), which a relay's plan counts (None: not recorded)."""
 
     halves: tuple[tuple[Segment, ...], ...]
     order: tuple[int, ...]
@@ -99,6 +102,7 @@ class PairTrace:
     end: float
     late: float = 0.0
     kind: tuple[int, ...] | None = None
+    offers: tuple[int, ...] | None = None
 
     @property
     def waited_s(self) -> float:
@@ -107,13 +111,15 @@ class PairTrace:
     def to_json(self) -> dict[str, Any]:
         return {"halves": [[_segment_json(s) for s in half] for half in self.halves], "order": list(self.order),
                 "waits": [[list(w) for w in half] for half in self.waits], "start": self.start, "end": self.end,
-                "late": self.late, "kind": None if self.kind is None else list(self.kind)}
+                "late": self.late, "kind": None if self.kind is None else list(self.kind),
+                "offers": None if self.offers is None else list(self.offers)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PairTrace:
         return cls(tuple(tuple(_segment_from(s) for s in half) for half in data["halves"]), tuple(data["order"]),
                    tuple(tuple((a, b) for a, b in half) for half in data["waits"]), data["start"], data["end"],
-                   data["late"], None if data.get("kind") is None else tuple(data["kind"]))
+                   data["late"], None if data.get("kind") is None else tuple(data["kind"]),
+                   None if data.get("offers") is None else tuple(data["offers"]))
 
 
 @dataclass
@@ -198,7 +204,7 @@ class ExposureRecorder:
         ran = sorted((begun, h) for h, half in enumerate(halves) for begun in half.begun)
         self._pairs.append(PairTrace(tuple(tuple(h.segments) for h in halves), tuple(h for _, h in ran),
                                      tuple(tuple(h.waits) for h in halves), self._pair_start, now,
-                                     sum(h.late for h in halves), self._kind))
+                                     sum(h.late for h in halves), self._kind, tuple(h.offers for h in halves)))
         self._pair, self._current = None, self._lone
         self._lone.run(now)
 

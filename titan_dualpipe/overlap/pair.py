@@ -4,8 +4,8 @@
 (:mod:`.schedules`), hands the pair to the stage modules' protocol
 (:class:`~titan_dualpipe.overlap.protocol.OverlappedForwardBackward`) inside torch's own forward
 and backward bookkeeping, or else runs its halves as a relay (:mod:`~titan_dualpipe.overlap.relay`),
-the half the schedule's ``pair_first`` names first (:mod:`.pair_first`), posting the forward's
-pipeline send as soon as the forward half ends. Its results are bitwise
+the half the schedule's ``pair_first`` names first, switching where it says (:mod:`.pair_first`),
+posting the forward's pipeline send as soon as the forward half ends. Its results are bitwise
 equal to :func:`~titan_dualpipe.runtime.pairs.run_pair_sequentially` (``overlap=False``): the
 forward, then the backward, sends after both. See docs/overlap.md.
 """
@@ -38,8 +38,9 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
 
         order = executor.view.pair_order
         first = FORWARD if order is None else order.first(forward, backward)
+        plan = None if order is None else order.plan(forward, backward)
         run_relayed(forward_half, lambda: executor.run_backward(backward), first,
-                    kind=PairFirst.kind(forward, backward))
+                    kind=PairFirst.kind(forward, backward), plan=plan)
         warn_once_if_exchange_traced()
         return
 

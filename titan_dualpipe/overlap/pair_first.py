@@ -1,4 +1,4 @@
-"""Which half of a relayed pair runs first: the schedule option ``pair_first``.
+"""Which half of a relayed pair runs first, and where it hands over: the option ``pair_first``.
 
 A relay switches halves at every hand-over, so the half that runs first decides which of the
 partner's segments covers each exchange. Which covers more depends on the pair's stages: the
@@ -8,16 +8,23 @@ forward first, ``"backward"`` the backward; ``"measured"`` decides per kind of p
 forward's stage and its backward's) from the run itself:
 
 - the second step (the first pays stage initialisation and first-call costs) records each relayed
-  pair's segments and exchanges (:mod:`titan_dualpipe.exposure.record`, a benchmark's recorder
-  where one runs), and sums per kind what starting with the backward saves in the floor's model
-  (:func:`~titan_dualpipe.exposure.floor.run_in_order` of both alternations);
-- one all-reduce over the default process group sums the savings over ranks, so every rank that
-  runs pairs of a kind chooses the same first half. It must: the first half decides the order in
-  which both halves post their collectives on a shared communicator (the expert-parallel group),
+  pair's segments, exchanges and hand-overs (:mod:`titan_dualpipe.exposure.record`, a benchmark's
+  recorder where one runs);
+- two all-reduces over the default process group give every rank each kind's mean segments, so
+  every rank that runs pairs of a kind runs them in one order. It must: the order decides the order
+  in which both halves post their collectives on a shared communicator (the expert-parallel group),
   which must be the same on every rank;
-- from the third step on, a kind whose summed saving is positive runs backward first.
+- from the third step on, each kind runs in the order the floor finds for its mean segments
+  (:func:`~titan_dualpipe.exposure.floor.floor`): the half that runs first, and at each hand-over
+  whether the partner runs next (:func:`~titan_dualpipe.exposure.floor.hand_over_plan`); a half
+  that keeps the turn waits for its own exchange. A kind whose pairs differ in shape (between ranks,
+  or a half offering hand-overs its record has no exchange for, as chunked exchanges do) alternates,
+  from the half whose start the model says exposes less.
 
-Only exchanges whose time is known (the CPU's emulated exchanges) give a saving, and only a CPU
+``"measured_first"`` decides the same way but keeps every kind alternating, from the half whose
+start exposes less in the model: what ``"measured"`` chose before it planned hand-overs.
+
+Only exchanges whose time is known (the CPU's emulated exchanges) give an order, and only a CPU
 run's segments are timed (on a GPU the host's clock would time kernel launches); elsewhere every
 kind keeps the forward first. docs/overlap.md#which-half-first.
 """
@@ -25,36 +32,56 @@ kind keeps the forward first. docs/overlap.md#which-half-first.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import statistics
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._compat.pipelining import _Action
-from ..exposure.floor import relay_order, run_in_order
+from ..exposure.floor import (
+    Exchange, Half, HandOverPlan, Segment, floor, hand_over_plan, normalized, relay_order, run_in_order,
+)
 from ..exposure.record import PairTrace, recorder, start_recording, stop_recording
 from .relay import BACKWARD, FORWARD
 
 MEASURED_STEP = 1  # which step "measured" records (counting from 0)
+_SEGMENT_FIELDS = 9  # per segment slot: has an exchange, switch, channel, their squares; compute, seconds, lead
+
+
+@dataclass(frozen=True)
+class KindOrder:
+    """How "measured" runs one kind of pair: ``first``, and the relay's ``plan`` (None: alternate);
+    ``saved``: seconds a pair of the kind's mean segments exposes less than forward first, alternating."""
+
+    first: int
+    plan: HandOverPlan | None
+    saved: float
 
 
 class PairFirst:
     """The ``pair_first`` option of one schedule (module docstring): ``first(forward, backward)``
-    for each relayed pair, and :meth:`step` around each step's actions."""
+    and ``plan(forward, backward)`` for each relayed pair, and :meth:`step` around each step's actions."""
 
     def __init__(self, mode: str, num_stages: int, device: torch.device) -> None:
         self.mode = mode
         self._num_stages = num_stages
         self._device = device
         self._steps = 0
-        self._backward_first: set[tuple[int, int]] = set()
-        self.savings: dict[tuple[int, int], float] | None = None  # "measured", once decided: seconds, all ranks
+        self.orders: dict[tuple[int, int], KindOrder] | None = None  # "measured", once decided: the same on all ranks
 
     def first(self, forward: _Action, backward: _Action) -> int:
         """:data:`~.relay.FORWARD` or :data:`~.relay.BACKWARD`: the half of this pair that runs first."""
-        if self.mode == "backward" or (forward.stage_index, backward.stage_index) in self._backward_first:
+        if self.mode == "backward":
             return BACKWARD
-        return FORWARD
+        chosen = (self.orders or {}).get(self.kind(forward, backward))
+        return FORWARD if chosen is None else chosen.first
+
+    def plan(self, forward: _Action, backward: _Action) -> HandOverPlan | None:
+        """Where this pair's halves switch (:func:`~titan_dualpipe.exposure.floor.hand_over_plan`); None: at every hand-over."""
+        chosen = (self.orders or {}).get(self.kind(forward, backward))
+        return None if chosen is None else chosen.plan
 
     @staticmethod
     def kind(forward: _Action, backward: _Action) -> tuple[int, int]:
@@ -64,12 +91,12 @@ class PairFirst:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Around one step's actions: on the measured step, record its pairs and decide after them."""
-        measuring = self.mode == "measured" and self._steps == MEASURED_STEP
+        measuring = self.mode in ("measured", "measured_first") and self._steps == MEASURED_STEP
         self._steps += 1
         if not measuring:
             yield
             return
-        # a CPU run's segments only: on a GPU the host's clock would time kernel launches (no saving there)
+        # a CPU run's segments only: on a GPU the host's clock would time kernel launches (no order there)
         timed = self._device.type == "cpu"
         own = timed and recorder() is None  # a benchmark's recorder keeps recording; else one for this step
         record = start_recording() if own else recorder() if timed else None
@@ -86,34 +113,146 @@ class PairFirst:
         self._decide(pairs)
 
     def _decide(self, pairs: list[PairTrace]) -> None:
-        n = self._num_stages
-        saved = savings_by_kind(pairs, n).to(self._device)
-        dist.all_reduce(saved)  # every rank steps: the default group reaches every communicator's ranks
-        totals = saved.cpu().tolist()
-        self.savings = {(k // n, k % n): s for k, s in enumerate(totals) if s != 0.0}
-        self._backward_first = {kind for kind, s in self.savings.items() if s > 0.0}
+        kinds = self._num_stages * self._num_stages
+        local = shapes_by_kind(pairs)
+        counts = _shape_sums(local, self._num_stages).to(self._device)
+        dist.all_reduce(counts)  # every rank steps: the default group reaches every communicator's ranks
+        lengths = agreed_lengths(counts.cpu())
+        sums = _segment_sums(local, lengths, self._num_stages).to(self._device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        orders = {}
+        for k in range(kinds):
+            if lengths[k] is not None:
+                halves = mean_halves(sums[k], lengths[k])
+                if halves is not None:
+                    kind = (k // self._num_stages, k % self._num_stages)
+                    orders[kind] = kind_order(halves, lengths[k][3:], planned=self.mode == "measured")
+        self.orders = orders
+
+    @property
+    def savings(self) -> dict[tuple[int, int], float] | None:
+        """"measured", once decided: per kind, the seconds its order saves a mean pair (the floor's model)."""
+        return None if self.orders is None else {kind: o.saved for kind, o in self.orders.items()}
 
     @property
     def backward_first(self) -> frozenset[tuple[int, int]]:
-        """The kinds of pair (forward stage, backward stage) that run backward first under "measured"."""
-        return frozenset(self._backward_first)
+        """The kinds of pair (forward stage, backward stage) that "measured" runs backward first."""
+        return frozenset(kind for kind, o in (self.orders or {}).items() if o.first == BACKWARD)
 
 
-def savings_by_kind(pairs: list[PairTrace], num_stages: int) -> torch.Tensor:
-    """Seconds that starting with the backward saves, summed per kind of pair: entry
-    ``forward_stage * num_stages + backward_stage`` (pairs filed under no kind, or with a half that
-    never ran, count nowhere)."""
-    saved = torch.zeros(num_stages * num_stages, dtype=torch.float64)
+# -- a kind's shape, agreed across ranks ------------------------------------------------------
+# A pair's shape: each half's segments (normalized as the floor takes them) with, per segment,
+# whether it posts an exchange, whether the exchange is a hand-over, and its channel (numbered in
+# the order the pair first meets it, so that ranks naming communicators differently agree); and
+# each half's hand-over offers.
+Shape = tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...], tuple[int, int]]
+
+
+def shape_of(halves: Sequence[Half], offers: tuple[int, int]) -> Shape:
+    channels: dict = {}
+    marks = []
+    for half in halves:
+        row = []
+        for segment in half:
+            e = segment.exchange
+            channel = -1 if e is None or e.channel is None else channels.setdefault(e.channel, len(channels))
+            row.append((int(e is not None), int(e is not None and e.switch), channel))
+        marks.append(tuple(row))
+    return marks[0], marks[1], offers
+
+
+def shapes_by_kind(pairs: list[PairTrace]) -> dict[tuple[int, int], tuple[Shape, list[tuple[tuple[Segment, ...], ...]]]]:
+    """Per kind, its most common shape among ``pairs`` (ties: the least shape) and the pairs of it,
+    normalized; pairs filed under no kind, with a half that never ran, or without offers count nowhere."""
+    grouped: dict[tuple[int, int], dict[Shape, list]] = {}
     for pair in pairs:
-        if pair.kind is not None and all(pair.halves):
-            forward_stage, backward_stage = pair.kind
-            saved[forward_stage * num_stages + backward_stage] += backward_first_saves(pair)
-    return saved
+        if pair.kind is None or pair.offers is None or not all(pair.halves):
+            continue
+        halves = tuple(normalized(h) for h in pair.halves)
+        shape = shape_of(halves, (pair.offers[0], pair.offers[1]))
+        grouped.setdefault((pair.kind[0], pair.kind[1]), {}).setdefault(shape, []).append(halves)
+    return {kind: max(by_shape.items(), key=lambda item: (len(item[1]), _negated(item[0])))
+            for kind, by_shape in grouped.items()}
 
 
-def backward_first_saves(pair: PairTrace, queue: str = "fifo") -> float:
-    """Seconds of exposure that starting ``pair`` with its backward saves over starting with its
-    forward, each half switching at every hand-over, in the floor's model of its measured segments."""
-    halves = pair.halves
-    return (run_in_order(halves, relay_order(halves, FORWARD), queue).exposure
-            - run_in_order(halves, relay_order(halves, BACKWARD), queue).exposure)
+def _negated(shape: Shape) -> tuple:
+    return tuple(-x for row in (*shape[0], *shape[1]) for x in row) + tuple(-x for x in shape[2])
+
+
+def _shape_sums(local: dict, num_stages: int) -> torch.Tensor:
+    """Per kind: ranks holding it, and each of its four sizes (segments and offers per half) with its square."""
+    out = torch.zeros(num_stages * num_stages, 9, dtype=torch.float64)
+    for (f, b), (shape, _) in local.items():
+        sizes = torch.tensor([len(shape[0]), len(shape[1]), *shape[2]], dtype=torch.float64)
+        out[f * num_stages + b] = torch.cat([torch.ones(1, dtype=torch.float64), sizes, sizes * sizes])
+    return out
+
+
+# per kind whose holders agree: (ranks holding it, segments of each half, offers of each half)
+Lengths = tuple[int, int, int, int, int]
+
+
+def agreed_lengths(counts: torch.Tensor) -> list[Lengths | None]:
+    """Per kind, its holders and the segments and offers of each half, where every rank holding it
+    has the same (else None)."""
+    out: list[Lengths | None] = []
+    for row in counts.tolist():
+        holders, sums, squares = row[0], row[1:5], row[5:9]
+        same = holders > 0 and all(holders * q == s * s for s, q in zip(sums, squares))
+        out.append((int(holders), *(int(s / holders) for s in sums)) if same else None)  # type: ignore[arg-type]
+    return out
+
+
+def _slots(lengths: list[Lengths | None]) -> int:
+    return max((max(n[1], n[2]) for n in lengths if n is not None), default=0)
+
+
+def _segment_sums(local: dict, lengths: list, num_stages: int) -> torch.Tensor:
+    """Per kind whose lengths agree: per segment slot, this rank's shape marks with their squares,
+    and its pairs' mean compute, exchange seconds and lead."""
+    out = torch.zeros(num_stages * num_stages, 2, _slots(lengths), _SEGMENT_FIELDS, dtype=torch.float64)
+    for (f, b), (shape, pairs) in local.items():
+        k = f * num_stages + b
+        if lengths[k] is None:
+            continue
+        for h in range(2):
+            for i, marks in enumerate(shape[h]):
+                segments = [pair[h][i] for pair in pairs]
+                timing = [statistics.fmean(s.compute for s in segments),
+                          statistics.fmean(s.exchange.seconds if s.exchange else 0.0 for s in segments),
+                          statistics.fmean(s.exchange.lead if s.exchange else 0.0 for s in segments)]
+                out[k, h, i] = torch.tensor([*marks, *(m * m for m in marks), *timing], dtype=torch.float64)
+    return out.flatten(1)
+
+
+def mean_halves(row: torch.Tensor, lengths: Lengths) -> list[tuple[Segment, ...]] | None:
+    """One kind's halves from its summed slots: each segment the mean over the ranks holding it;
+    None where those ranks' shapes differ."""
+    slots = row.view(2, -1, _SEGMENT_FIELDS).tolist()
+    holders = lengths[0]
+    halves = []
+    for h in range(2):
+        half = []
+        for values in slots[h][:lengths[1 + h]]:
+            marks, squares, timing = values[0:3], values[3:6], values[6:9]
+            if any(holders * q != m * m for m, q in zip(marks, squares)):
+                return None
+            has, switch, channel = (m / holders for m in marks)
+            compute, seconds, lead = (t / holders for t in timing)
+            exchange = Exchange(seconds, lead, None if channel < 0 else int(channel), bool(switch)) if has else None
+            half.append(Segment(compute, exchange))
+        halves.append(tuple(half))
+    return halves
+
+
+def kind_order(halves: Sequence[Half], offers: tuple[int, int], planned: bool = True, queue: str = "fifo") -> KindOrder:
+    """The order "measured" runs a kind of pair in, from its mean halves (module docstring);
+    ``planned=False`` ("measured_first"): an alternation, from the half that exposes less."""
+    alternating = run_in_order(halves, relay_order(halves, FORWARD), queue).exposure
+    best = floor(halves, queue)
+    first, plan = hand_over_plan(halves, best.order)
+    if planned and tuple(len(p) for p in plan) == tuple(offers):
+        return KindOrder(first, plan, alternating - best.exposure)
+    backward = run_in_order(halves, relay_order(halves, BACKWARD), queue).exposure
+    return KindOrder(BACKWARD if backward < alternating else FORWARD, None, max(0.0, alternating - backward))

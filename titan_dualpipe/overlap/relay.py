@@ -4,9 +4,10 @@ A pair's forward action runs on the calling thread, its backward action on a lon
 thread, never both at once. A half that has just posted an exchange calls :func:`hand_over`
 before waiting on it, and the other half computes until it hands over in turn (or ends), so the
 exchange flies behind the partner's compute. One half runs first (the forward unless told
-otherwise: :mod:`.pair_first`) and the other starts at its first hand-over; the forward's pipeline
-send is posted as it ends. Only hand-overs switch halves, so given the first half the interleaving
-is the same on every rank, and each half computes exactly what it computes alone.
+otherwise: :mod:`.pair_first`) and the other starts at its first hand-over; a plan may keep a half
+computing at some of its hand-overs. The forward's pipeline send is posted as it ends. Only
+hand-overs switch halves, so given the first half and the plan the interleaving is the same on
+every rank, and each half computes exactly what it computes alone.
 The helper thread runs in the caller's thread-local state, each half draws random numbers from a
 stream of its own, and a recording benchmark is told when each half runs, stops and ends. Who
 hands over, thread state, random numbers, failures: docs/overlap.md#the-relay; what is recorded:
@@ -31,6 +32,7 @@ from .._compat.autograd import (
     private_thread_state_entered,
     torch_function_bypassed,
 )
+from ..exposure.floor import HandOverPlan
 from ..exposure.record import ExposureRecorder, recorder
 from ..weights.in_flight import run_work_in_flight
 
@@ -48,7 +50,7 @@ class Relay:
     """The baton of one pair: which half may compute, passed at each hand-over."""
 
     def __init__(self, start_backward: Callable[[], None], first: int = FORWARD,
-                 kind: tuple[int, ...] | None = None) -> None:
+                 kind: tuple[int, ...] | None = None, plan: HandOverPlan | None = None) -> None:
         self._cond = threading.Condition()
         self._forward_thread = threading.get_ident()
         self._start_backward = start_backward
@@ -59,6 +61,8 @@ class Relay:
         self._ended = [False, False]
         self._errors: list[BaseException] = []  # in the order they were raised
         self.hand_overs = 0  # switches to a running partner, for tests and tracing
+        self.offers = [0, 0]  # each half's hand-over calls, switching or not
+        self.plan = plan  # per half, at each of its hand-overs in turn: switch? (None, or past its end: yes)
         self._accelerator = _accelerator_module()
         self._rng: list[_RngStates | None] = [None, None]  # each half's parked generator states
         self._rng_at_start = _rng_states(self._accelerator)  # the backward half's stream is seeded from these
@@ -77,6 +81,10 @@ class Relay:
     def hand_over(self, ready_at: float | None = None) -> None:
         me = self._half()
         other = 1 - me
+        offer = self.offers[me]
+        self.offers[me] += 1
+        if self.plan is not None and offer < len(self.plan[me]) and not self.plan[me][offer]:
+            return  # the plan keeps this half computing: it waits for its own exchange
         self.awaited[me] = ready_at
         with self._cond:
             self._raise_if_partner_failed(me)
@@ -197,10 +205,12 @@ def running_half() -> str | None:
 
 
 def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], None], first: int = FORWARD,
-                kind: tuple[int, ...] | None = None) -> Relay:
+                kind: tuple[int, ...] | None = None, plan: HandOverPlan | None = None) -> Relay:
     """Run both halves as a relay (see the module docstring), ``first`` (:data:`FORWARD` or
     :data:`BACKWARD`) until its first hand-over; returns the finished relay. ``kind``: what a
-    recording benchmark files the pair under (:mod:`.pair_first` measures by it)."""
+    recording benchmark files the pair under (:mod:`.pair_first` measures by it). ``plan``: per
+    half, whether it switches at each of its hand-overs in turn (:func:`~titan_dualpipe.exposure.floor.hand_over_plan`);
+    None, and every hand-over past a half's plan, switches."""
     global _active
     if _active is not None:
         raise RuntimeError("a relayed pair is already running in this process: pairs do not nest")
@@ -220,7 +230,7 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
         relay.end(BACKWARD, error)
         backward_ended.set()
 
-    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job), first=first, kind=kind)
+    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job), first=first, kind=kind, plan=plan)
     record = recorder()
     if record is not None and record.open_pair(kind):
         relay.record = record

@@ -24,7 +24,7 @@ class PairRunner(Protocol):
         """Run both halves; results must equal the forward, then the backward, bit for bit."""
 
 
-PAIR_FIRST = ("forward", "backward", "measured")
+PAIR_FIRST = ("forward", "backward", "measured", "measured_first")
 
 
 class PairOrder(Protocol):
@@ -33,6 +33,9 @@ class PairOrder(Protocol):
 
     def first(self, forward: _Action, backward: _Action) -> Any:
         """The half of this pair that runs first."""
+
+    def plan(self, forward: _Action, backward: _Action) -> Any:
+        """Per half, whether it switches at each of its hand-overs in turn (None: at every one)."""
 
     def step(self) -> ContextManager[None]:
         """Entered around each step's actions (where a measuring order records and decides)."""

@@ -127,11 +127,13 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       only what fits before the exchange the pair waits on next arrives (fillers, where arrival
       times are known: the CPU's emulated exchanges). Same gradients.
     - ``pair_first`` (default ``"forward"``): which half of a relayed pair (a pair whose stage
-      modules have no overlap protocol) runs first: ``"forward"``, ``"backward"``, or
-      ``"measured"``: per kind of pair (its two stages), the one that exposes less in the second
-      step's recorded segments, agreed by one all-reduce over the default process group (every rank
-      steps); only exchanges of known time (the CPU's emulated ones) measure, elsewhere the forward
-      (:mod:`titan_dualpipe.overlap.pair_first`).
+      modules have no overlap protocol) runs first, and where it hands over: ``"forward"`` and
+      ``"backward"`` alternate from that half; ``"measured"``: per kind of pair (its two stages), the
+      order the floor's model finds best for the second step's recorded segments (the half that
+      starts, and at each hand-over whether the partner runs next), agreed by two all-reduces over
+      the default process group (every rank steps); ``"measured_first"``: the same, alternating from
+      the half that exposes less. Only exchanges of known time (the CPU's emulated ones) measure,
+      elsewhere the forward first (:mod:`titan_dualpipe.overlap.pair_first`).
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 

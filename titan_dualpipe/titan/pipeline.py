@@ -278,7 +278,10 @@ def _pair_first_note(schedule: Any) -> str:
         return ""
     if order.mode == "backward":
         return "; relayed pairs run their backward half first"
-    return "; relayed pairs run first the half the second step measures to expose less, per kind of pair"
+    if order.mode == "measured_first":
+        return "; relayed pairs run first the half the second step measures to expose less, per kind of pair"
+    return ("; relayed pairs run in the order the second step measures to expose least, per kind of pair "
+            "(the half that starts, and where it hands over)")
 
 
 def _two_batch_note(schedule: Any, par: Any) -> str:

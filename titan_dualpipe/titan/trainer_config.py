@@ -44,10 +44,12 @@ class DualPipeOptions:
     weight GEMMs are not deferred. ``TITAN_DUALPIPE_NOT_DEFERRED`` (comma-separated) adds to it."""
 
     pair_first: str = "forward"
-    """Which half of a relayed pair runs first: "forward", "backward", or "measured" (per kind of
-    pair, whichever exposes less in the second step, agreed over all ranks; only the CPU's emulated
-    exchanges have known times, elsewhere the forward). ``TITAN_DUALPIPE_PAIR_FIRST`` overrides it
-    (and sets it on torchtitan 0.2.2)."""
+    """Which half of a relayed pair runs first, and where it hands over: "forward", "backward"
+    (alternating from that half), "measured" (per kind of pair, the order the floor's model finds
+    best for the second step's segments, agreed over all ranks) or "measured_first" (the same,
+    alternating from the better half). Only the CPU's emulated exchanges have known times,
+    elsewhere the forward first. ``TITAN_DUALPIPE_PAIR_FIRST`` overrides it (and sets it on
+    torchtitan 0.2.2)."""
 
 
 class DualPipeTrainer(Trainer):
