@@ -229,7 +229,8 @@ def test_weight_gradient_switches_reach_the_schedule_built(field, env, names, ex
 
 # (config field (0.3.0), TITAN_DUALPIPE_PAIR_FIRST, what the schedule gets): the variable wins
 PAIR_FIRST_CASES = [(None, None, "forward"), (None, "measured", "measured"), ("backward", None, "backward"),
-                    ("backward", "forward", "forward")]
+                    ("backward", "forward", "forward"), ("measured_first", None, "measured_first"),
+                    (None, "measured_first", "measured_first")]
 
 
 @pytest.mark.parametrize("field,env,expected", PAIR_FIRST_CASES)
@@ -245,7 +246,7 @@ def test_pair_first_reaches_the_schedule_built(field, env, expected, monkeypatch
     built = _built_with(monkeypatch, *(["--dualpipe.pair-first", field] if field else []))
     assert built.kwargs["pair_first"] == expected
     monkeypatch.setenv(PAIR_FIRST_ENV, "sideways")
-    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_PAIR_FIRST='sideways': use one of forward, backward, measured"):
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_PAIR_FIRST='sideways': use one of forward, backward, measured, measured_first"):
         _built_with(monkeypatch)
 
 

@@ -118,6 +118,9 @@ class PairFirst:
         counts = _shape_sums(local, self._num_stages).to(self._device)
         dist.all_reduce(counts)  # every rank steps: the default group reaches every communicator's ranks
         lengths = agreed_lengths(counts.cpu())
+        if not any(lengths):  # the same on every rank: nothing recorded anywhere (a GPU), or no kind agreed
+            self.orders = {}
+            return
         sums = _segment_sums(local, lengths, self._num_stages).to(self._device)
         dist.all_reduce(sums)
         sums = sums.cpu()
