@@ -153,6 +153,7 @@ Shape = tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]
 
 
 def shape_of(halves: Sequence[Half], offers: tuple[int, int]) -> Shape:
+    """The shape of a pair's normalized ``halves`` that offered ``offers`` hand-overs."""
     channels: dict = {}
     marks = []
     for half in halves:
@@ -165,7 +166,10 @@ def shape_of(halves: Sequence[Half], offers: tuple[int, int]) -> Shape:
     return marks[0], marks[1], offers
 
 
-def shapes_by_kind(pairs: list[PairTrace]) -> dict[tuple[int, int], tuple[Shape, list[tuple[tuple[Segment, ...], ...]]]]:
+Halves = tuple[tuple[Segment, ...], ...]  # a pair's halves, normalized
+
+
+def shapes_by_kind(pairs: list[PairTrace]) -> dict[tuple[int, int], tuple[Shape, list[Halves]]]:
     """Per kind, its most common shape among ``pairs`` (ties: the least shape) and the pairs of it,
     normalized; pairs filed under no kind, with a half that never ran, or without offers count nowhere."""
     grouped: dict[tuple[int, int], dict[Shape, list]] = {}
