@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from cases import overlap_cases, pipeline_cases as cases
+
 from titan_dualpipe.orders import compute_order
 from titan_dualpipe.orders.dryrun import dry_run
 from titan_dualpipe.orders.lone_pairs import is_lone_pair, pair_lone_actions, pairable
 from titan_dualpipe.orders.lowering import leaf_actions, lower
 from titan_dualpipe.orders.placement import placement
 
+WORLD = 4  # the module's pool (tests/conftest.py)
 CASES = [("DualPipeV", 2, 4), ("DualPipeV", 2, 16), ("DualPipeV", 4, 16), ("DualPipe", 2, 16), ("DualPipe", 4, 8)]
 
 
@@ -35,3 +38,24 @@ def test_two_forwards_of_one_microbatch_down_the_v_are_never_paired():
     assert [str(a) for a in paired[1][:3]] == ["1F0", "(2F0;1F1)OVERLAP_F_B", "(2F1;1F2)OVERLAP_F_B"]
     # rank 0's last stage's backward pairs with the first stage's I of the microbatch before
     assert "(3B15;0I14)OVERLAP_F_B" in [str(a) for a in paired[0]]
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 6), ("DualPipeV", 4, 8), ("DualPipe", 2, 4), ("DualPipe", 4, 8)])
+@pytest.mark.parametrize("overlap", [True, False], ids=["relay", "sequential"])
+def test_lone_pairs_match_the_reference(pool, schedule, pp, n, overlap):
+    """Lone pairs, relayed or one after the other: two steps with Adam between, every stage's
+    gradients and every loss against the non-pipelined reference."""
+    ran = [r for r in pool.run(cases.numerics, schedule=schedule, pp=pp, n=n, lone_pairs=True, overlap=overlap)
+           if r is not None]
+    assert len(ran) == pp
+    assert sum(r["losses_checked"] for r in ran) == (2 if schedule == "DualPipe" else 1) * 2 * n
+    assert max(r["grad_err"] for r in ran) <= cases.ATOL
+
+
+@pytest.mark.parametrize("schedule,n", [("DualPipeV", 4), ("DualPipe", 4)])
+def test_relayed_lone_pairs_of_a_moe_model_hand_over_and_change_no_bit(pool, schedule, n):
+    """The relayed MoE pipeline (pp 2 x EP 2) with lone pairs against overlap=False: the reference's
+    losses and gradients, and the same bits; the lone pairs' halves switched at their exchanges."""
+    results = pool.run(overlap_cases.moe_numerics, schedule=schedule, n=n, relay=True, lone_pairs=True)
+    assert all(r["grad_err"] <= cases.ATOL and r["bitwise_tensors"] > 0 for r in results), results
+    assert all(r["lone_pair_hand_overs"] > 0 for r in results), results
