@@ -59,3 +59,25 @@ def test_relayed_lone_pairs_of_a_moe_model_hand_over_and_change_no_bit(pool, sch
     results = pool.run(overlap_cases.moe_numerics, schedule=schedule, n=n, relay=True, lone_pairs=True)
     assert all(r["grad_err"] <= cases.ATOL and r["bitwise_tensors"] > 0 for r in results), results
     assert all(r["lone_pair_hand_overs"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize("schedule,pp,n", [("DualPipeV", 2, 6), ("DualPipe", 4, 8)])
+def test_eval_runs_both_forwards_of_a_lone_pair(pool, schedule, pp, n):
+    """eval() with lone pairs: every microbatch's output and loss equal the reference forward's
+    (a pair of two forwards runs both)."""
+    ran = [r for r in pool.run(cases.eval_matches_reference, schedule=schedule, pp=pp, n=n, lone_pairs=True)
+           if r is not None]
+    assert sum(r["outputs_checked"] for r in ran) == n
+
+
+@pytest.mark.parametrize("value,two_batch,message", [
+    ("yes", False, "lone_pairs must be True or False, got 'yes'"),
+    (True, True, "lone_pairs=True and two_batch_overlap=True both take the lone actions"),
+    (True, "measured", "pass one of them"),
+])
+def test_a_bad_lone_pairs_is_named_before_any_collective(value, two_batch, message):
+    from titan_dualpipe import ScheduleDualPipeV
+    from titan_dualpipe.runtime.errors import PipelineConfigError
+
+    with pytest.raises(PipelineConfigError, match=message):
+        ScheduleDualPipeV([], 4, lone_pairs=value, two_batch_overlap=two_batch)  # no stages, no process group

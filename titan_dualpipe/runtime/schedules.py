@@ -135,6 +135,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       the default process group (every rank steps); ``"measured_first"``: the same, alternating from
       the half that exposes less. Only exchanges of known time (the CPU's emulated ones) measure,
       elsewhere the forward first (:mod:`titan_dualpipe.overlap.pair_first`).
+    - ``lone_pairs`` (default False): adjacent lone actions of one direction (two forwards, or two
+      backwards) where the first does not feed the second run as one relayed pair, kept where the
+      order still runs (:mod:`titan_dualpipe.orders.lone_pairs`); not with ``two_batch_overlap``.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
