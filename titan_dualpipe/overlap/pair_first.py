@@ -179,12 +179,8 @@ def shapes_by_kind(pairs: list[PairTrace]) -> dict[tuple[int, int], tuple[Shape,
         halves = tuple(normalized(h) for h in pair.halves)
         shape = shape_of(halves, (pair.offers[0], pair.offers[1]))
         grouped.setdefault((pair.kind[0], pair.kind[1]), {}).setdefault(shape, []).append(halves)
-    return {kind: max(by_shape.items(), key=lambda item: (len(item[1]), _negated(item[0])))
+    return {kind: min(by_shape.items(), key=lambda item: (-len(item[1]), item[0]))
             for kind, by_shape in grouped.items()}
-
-
-def _negated(shape: Shape) -> tuple:
-    return tuple(-x for row in (*shape[0], *shape[1]) for x in row) + tuple(-x for x in shape[2])
 
 
 def _shape_sums(local: dict, num_stages: int) -> torch.Tensor:
@@ -206,9 +202,15 @@ def agreed_lengths(counts: torch.Tensor) -> list[Lengths | None]:
     out: list[Lengths | None] = []
     for row in counts.tolist():
         holders, sums, squares = row[0], row[1:5], row[5:9]
-        same = holders > 0 and all(holders * q == s * s for s, q in zip(sums, squares))
+        same = holders > 0 and _all_equal(holders, sums, squares)
         out.append((int(holders), *(int(s / holders) for s in sums)) if same else None)  # type: ignore[arg-type]
     return out
+
+
+def _all_equal(holders: float, sums: Sequence[float], squares: Sequence[float]) -> bool:
+    """Whether each value, summed over ``holders`` ranks with its square, was the same on all of them
+    (n * sum(v^2) == sum(v)^2 only where every v is equal; exact for these small integers)."""
+    return all(holders * q == s * s for s, q in zip(sums, squares))
 
 
 def _slots(lengths: list[Lengths | None]) -> int:
@@ -243,7 +245,7 @@ def mean_halves(row: torch.Tensor, lengths: Lengths) -> list[tuple[Segment, ...]
         half = []
         for values in slots[h][:lengths[1 + h]]:
             marks, squares, timing = values[0:3], values[3:6], values[6:9]
-            if any(holders * q != m * m for m, q in zip(marks, squares)):
+            if not _all_equal(holders, marks, squares):
                 return None
             has, switch, channel = (m / holders for m in marks)
             compute, seconds, lead = (t / holders for t in timing)
@@ -257,9 +259,10 @@ def kind_order(halves: Sequence[Half], offers: tuple[int, int], planned: bool = 
     """The order "measured" runs a kind of pair in, from its mean halves (module docstring);
     ``planned=False`` ("measured_first"): an alternation, from the half that exposes less."""
     alternating = run_in_order(halves, relay_order(halves, FORWARD), queue).exposure
-    best = floor(halves, queue)
-    first, plan = hand_over_plan(halves, best.order)
-    if planned and tuple(len(p) for p in plan) == tuple(offers):
-        return KindOrder(first, plan, alternating - best.exposure)
+    if planned:
+        best = floor(halves, queue)
+        first, plan = hand_over_plan(halves, best.order)
+        if tuple(len(p) for p in plan) == tuple(offers):
+            return KindOrder(first, plan, alternating - best.exposure)
     backward = run_in_order(halves, relay_order(halves, BACKWARD), queue).exposure
     return KindOrder(BACKWARD if backward < alternating else FORWARD, None, max(0.0, alternating - backward))
