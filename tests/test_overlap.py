@@ -395,13 +395,15 @@ def test_which_half_runs_first_changes_no_bit(pool, schedule, mode):
     assert all(r["savings"] for r in results), results  # the emulated exchanges gave every kind a figure
 
 
-@pytest.mark.parametrize("schedule", ["DualPipeV", "DualPipe"])
-def test_a_plan_that_keeps_turns_changes_no_bit(pool, schedule):
+@pytest.mark.parametrize("schedule,checkpoint", [("DualPipeV", False), ("DualPipe", False), ("DualPipeV", True)])
+def test_a_plan_that_keeps_turns_changes_no_bit(pool, schedule, checkpoint):
     """"measured" with every kind's plan then made to keep each half's first turn (a half waits for
-    its own exchange, as where the floor's order is no alternation): the same bits as the forward
-    first, every rank's relays following the plan, and no hang from the changed order of posts."""
+    its own exchange, as where the floor's order is no alternation): the reference's losses and
+    gradients and the same bits as the forward first, every rank's relays following the plan, and
+    no hang from the changed order of posts; also with every block checkpointed (a kept turn inside
+    a recomputation)."""
     results = pool.run(cases.pair_first_numerics, schedule=schedule, n=4, mode="measured", latency_s=2e-3,
-                       keep_first_turns=True)
+                       keep_first_turns=True, checkpoint=checkpoint)
     assert all(r["bitwise_tensors"] > 0 and r["mismatched_relays"] == 0 for r in results), results
     assert all(r["kept_turns"][:2] == [0, 0] and r["kept_turns"][2] > 0 for r in results), results
 

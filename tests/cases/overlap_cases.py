@@ -447,17 +447,18 @@ def _counting_hand_overs() -> Iterator[list]:
 
 
 def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0, steps: int = 3,
-                        keep_first_turns: bool = False) -> dict:
+                        keep_first_turns: bool = False, checkpoint: bool = False) -> dict:
     """The relayed MoE pipeline with ``pair_first=mode`` and with the forward first: each the
     reference's losses and gradients, and each other's bit for bit, over ``steps`` steps with Adam
     between; ``latency_s``: every exchange takes that long (an emulated network: times known, as
     "measured" needs). Returns, per step, how many relays ran backward first and how many hand-overs
     kept the turn, and under "measured" the order chosen per kind after the second step (its first
     half and plan, compared across ranks by the test). ``keep_first_turns``: each plan "measured"
-    decides is then made to keep every half's turn at its first hand-over."""
+    decides is then made to keep every half's turn at its first hand-over; ``checkpoint``: every
+    block under activation checkpointing, the reference's too."""
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
-    runs = {first: build(schedule, n, overlap=True, checkpoint=False, fsdp=False, module_cls=RelayedMoETransformer,
+    runs = {first: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=False, module_cls=RelayedMoETransformer,
                          pair_first=first) for first in (mode, "forward")}
     reference = runs[mode][0]
     for _, _, _, comm in runs.values() if latency_s else ():
