@@ -199,6 +199,80 @@ def test_the_recorder_cuts_each_half_at_its_exchange_waits():
     assert rec.take() == StepTrace()  # the next step starts empty
 
 
+class _DeviceClock:
+    """A stand-in for :class:`DeviceClock`: a mark is the time it was made at, read later."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock, self.reads = clock, 0
+
+    def mark(self) -> float:
+        return self.clock()
+
+    def read(self, marks: list[float]) -> list[float]:
+        self.reads += 1
+        return [m - marks[0] for m in marks]
+
+
+def _relayed_pair_then_a_lone_exchange(rec, clock: _Clock) -> None:
+    """The events of the test above, the waits timed by the recorder's own marks."""
+    def waited_until(end: float, late: float = 0.0) -> None:
+        start = rec.now()
+        clock.at(end)
+        rec.waited(start, rec.now(), late)
+
+    assert rec.open_pair(kind=(0, 1)) and not rec.open_pair()
+    rec.run(0)
+    clock.at(1); rec.posted(3.0); rec.switch(); rec.stop(0)
+    rec.run(1)
+    clock.at(3); rec.posted(1.0, channel="ep"); rec.switch()
+    clock.at(3.5); rec.stop(1)
+    rec.run(0); waited_until(4.0)
+    clock.at(5); rec.end(0)
+    rec.run(1); waited_until(5.0)
+    clock.at(7); rec.end(1)
+    rec.close_pair()
+    clock.at(8); rec.posted(2.0); waited_until(10.0, late=0.25)
+
+
+def test_a_deferred_recorder_replays_its_marks_into_the_same_trace():
+    """A GPU's recorder (its marks read once, after the step) cuts the same segments, waits and
+    order as the host's recorder given the same events at the same times; its pairs are asked for
+    mid-step as pair_first asks (one read each)."""
+    from titan_dualpipe.exposure.record import DeferredRecorder
+
+    clock = _Clock()
+    live = ExposureRecorder(clock)
+    _relayed_pair_then_a_lone_exchange(live, clock)
+    expected = live.take()
+    clock = _Clock()
+    device_clock = _DeviceClock(clock)
+    deferred = DeferredRecorder(device_clock)
+    mark = deferred.closed_pairs()
+    _relayed_pair_then_a_lone_exchange(deferred, clock)
+    assert device_clock.reads == 0, "nothing is read while the step runs"
+    (pair,) = deferred.pairs_since(mark)
+    assert device_clock.reads == 1 and pair == expected.pairs[0] and pair.kind == (0, 1)
+    step = deferred.take()
+    assert step == expected and device_clock.reads == 2
+    assert step_exposure(step)["measured"] == 2.5 and pair_exposure(pair).floor == 0.5
+    clock.at(12)
+    assert deferred.take() == StepTrace() == live.take()  # the next step starts empty
+
+
+def test_start_recording_takes_a_gpus_clock_on_a_gpu_only():
+    import torch
+
+    from titan_dualpipe.exposure.record import DeferredRecorder
+
+    try:
+        assert type(start_recording(device=torch.device("cpu"))) is ExposureRecorder
+        assert type(start_recording()) is ExposureRecorder
+        if torch.cuda.is_available():
+            assert type(start_recording(device=torch.device("cuda", 0))) is DeferredRecorder
+    finally:
+        stop_recording()
+
+
 def test_the_recorder_reads_a_count_exchange_as_read_at_once():
     clock = _Clock()
     rec = ExposureRecorder(clock)

@@ -187,6 +187,9 @@ def test_key_figures_from_each_part():
     chunked = {**overlap, "exchange_chunks": {"overlap": [1.2, 1.0, 1.1], "overlap_relay": [0.9, 0.8]}}
     assert gpu_kit.overlap_figures(json.dumps(chunked)).endswith(
         "; 2 chunks / whole step, median of rounds: overlap 1.100, overlap_relay 0.850")
+    floored = {**overlap, "exposure": {"overlap": {"measured": 0.01, "floor": 0.004, "serial": 0.05}}}
+    assert gpu_kit.overlap_figures(json.dumps(floored)).endswith(
+        "1.25 ms per all-to-all; exposure ms/step measured/floor/1F1B (CUDA events): overlap 10.0/4.0/50.0")
     titan = {"schedules": {"1F1B": {"step_time": 0.05, "tokens_per_s": 20480.0, "exposed_comm": 0.0}},
              "phases": {"1F1B": {"clip": 0.001, "optimizer": 0.002, "other": 0.047}}}
     assert gpu_kit.bench_titan_figures(json.dumps(titan, indent=2)) == (

@@ -112,10 +112,10 @@ def test_csv_loaded_orders(tmp_path, fmt):
     assert train_and_compare("DualPipeV", 1, 4, _group(), 0, device=DEVICE, factory=factory)["grad_err"] <= ATOL
 
 
-def _two_steps(sched, modules, n: int) -> tuple[list, list]:
+def _two_steps(sched, modules, n: int, steps: int = 2) -> tuple[list, list]:
     losses, grads = [], []
     opt = torch.optim.Adam([p for m in modules.values() for p in m.parameters()], lr=1e-2)
-    for step in range(2):
+    for step in range(steps):
         x, y = batch(step, n, device=DEVICE)
         step_losses: list = []
         sched.step(x, target=y, losses=step_losses)
@@ -164,7 +164,8 @@ def _emulated_on_one_rank(module: nn.Module) -> bool:
 register_exchange_rule(_emulated_on_one_rank)  # only this module's exchanges match it
 
 
-def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int, two_batch: bool = False):
+def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int, two_batch: bool = False,
+                  pair_first: str = "forward"):
     """The MoE module on both stages of one rank; every exchange costs 0.5 ms of emulated network
     (on the GPU: a sleep kernel on a side stream), so pairs interleave at real waits."""
     torch.manual_seed(0)
@@ -177,7 +178,8 @@ def _moe_pipeline(module_cls: type, checkpoint: bool, overlap: bool, n: int, two
     from torch.distributed.pipelining import PipelineStage
 
     stages = [PipelineStage(parts[s], s, 2, DEVICE, group=_group()) for s in (0, 1)]
-    sched = ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch)
+    sched = ScheduleDualPipeV(stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch,
+                              pair_first=pair_first)
     return reference.to(DEVICE), {0: parts[0], 1: parts[1]}, sched, comm
 
 
@@ -203,6 +205,67 @@ def test_moe_overlap_matches_the_reference_and_is_bitwise_sequential(module_cls,
     for module in modules.values():
         for name, p in module.named_parameters():
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=RTOL, atol=ATOL)
+
+
+def test_the_measured_pair_order_decides_on_this_device_and_changes_no_bit():
+    """``pair_first="measured"``: the second step's relayed pairs, timed on this device (CUDA events
+    on a GPU), give every kind of pair an order; over three steps the same bits as the forward
+    first."""
+    n = 4
+    runs, scheds = [], []
+    for mode in ("measured", "forward"):
+        _, modules, sched, _ = _moe_pipeline(_Relayed, False, True, n, pair_first=mode)
+        runs.append(_two_steps(sched, modules, n, steps=3))
+        scheds.append(sched)
+    orders = scheds[0].pair_order.orders
+    assert orders and set(orders) == {(0, 1), (1, 0)}, orders  # DualPipeV's two kinds of pair on one rank
+    # a plan for every hand-over: each recorded with its exchange's time (without, no plan fits)
+    assert all(o.plan is not None and o.saved >= 0 for o in orders.values()), orders
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(ON_CPU, reason="CUDA events: an accelerator's")
+def test_a_pair_on_the_gpu_is_timed_by_the_devices_clock():
+    """Each half computes 5 ms (a sleep kernel) around two emulated exchanges of 20 ms, queued one
+    after another on the emulator's side stream. The host launches it all at once, far ahead of the
+    GPU, yet the recorder cuts the segments the GPU ran: 5 ms each, the exchanges' 20 ms, the
+    stalls; the measured exposure is what the order costs in the floor's model."""
+    from titan_dualpipe.exposure.record import pair_exposure, start_recording, stop_recording
+    from titan_dualpipe.overlap.segments import interleave
+
+    comm = ExpertParallelComm(None, EmulatedNetwork(latency_s=0.02))
+    x = torch.zeros(1, 1, device=DEVICE)
+    comm.post(x).wait()  # calibrates the sleep kernel
+    cycles = int(0.005 * comm._gpu_delay.cycles_per_s)
+
+    def half():
+        for _ in range(2):
+            torch.cuda._sleep(cycles)
+            yield comm.post(x)
+        torch.cuda._sleep(cycles)
+
+    torch.cuda.synchronize()
+    record = start_recording(device=DEVICE)
+    try:
+        record.take()
+        launched = time.perf_counter()
+        interleave(half(), half())
+        launched = time.perf_counter() - launched
+        (pair,) = record.take().pairs
+    finally:
+        stop_recording()
+    assert launched < 0.02, f"the host waited for the GPU ({launched:.3f} s): nothing to prove"
+    for segments in pair.halves:
+        assert [s.exchange is not None for s in segments] == [True, True, False]
+        assert all(s.exchange.seconds == pytest.approx(0.02) for s in segments[:2])
+        assert all(0.004 < s.compute < 0.008 for s in segments), segments
+    assert pair.order == (0, 1, 0, 1, 0, 1)
+    exposure = pair_exposure(pair, queue="serial")
+    # each exchange starts once the one before arrived: 15 ms stalls at each of the four waits
+    assert exposure.serial == pytest.approx(0.08) and exposure.in_order == pytest.approx(0.06, abs=0.004)
+    assert exposure.measured == pytest.approx(exposure.in_order, abs=0.004)
+    assert exposure.floor <= exposure.in_order + 1e-9
 
 
 @pytest.mark.parametrize("module_cls", [MoETransformer, _Relayed], ids=["protocol", "relay"])
@@ -321,6 +384,10 @@ def test_bench_overlap_runs_on_this_device():
     result = measure(cfg)
     for name in ("overlap", "overlap_relay", "sequential", "torch_dualpipev"):
         assert result[f"step_time_{name}"] > 0 and result[f"exposed_comm_{name}"] >= 0
+        exposure = result["exposure"][name]  # the floor, from segments timed on this device
+        assert exposure["measured"] == pytest.approx(result[f"exposed_comm_{name}"], rel=1e-3, abs=1e-4), name
+        assert 0 <= exposure["floor"] <= exposure["serial"] + 1e-9 and exposure["serial"] > 0, (name, exposure)
+    assert result["pairs_last_step_rank0"]["overlap_relay"] and not result["pairs_last_step_rank0"]["sequential"]
 
 
 def test_bench_compile_runs_on_this_device(capsys):

@@ -6,7 +6,8 @@ protocol, and as a relay) and without, both overlapped runs again with two-batch
 ScheduleDualPipeV and ScheduleZBVZeroBubble, and on request our ScheduleDualPipe and compiled
 blocks. Every all-to-all pays an emulated network's cost (a sleep on the CPU, a sleep kernel on
 a GPU's side stream), calibrated against a block's compute. Paired rotated rounds give step time,
-exposed communication, the CPU bound and, on the CPU, each run's exposure next to its floor.
+exposed communication, on the CPU the CPU bound, and each run's exposure next to its floor (on a
+GPU its segments timed by CUDA events).
 The runs, the emulated network, every column and JSON key: benchmarks/README.md#bench-overlap.
 """
 
@@ -24,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..cli import HelpFormatter
-from ..exposure.record import (STEP_KEYS, ExposureRecorder, StepTrace, pair_exposure, start_recording, step_exposure,
-                               stop_recording)
+from ..exposure.record import (STEP_KEYS, DeferredRecorder, ExposureRecorder, StepTrace, pair_exposure,
+                               start_recording, step_exposure, stop_recording)
 from ..overlap.comm import EmulatedNetwork, ExpertParallelComm
 from ..cut import cut_layers
 from ..overlap.moe import MoEArgs, MoETransformer, expert_parallel, set_exchange_chunks
@@ -67,6 +68,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                    help="also time both overlapped runs (protocol, relay) with every dispatch and combine cut into K "
                         "exchanges (docs/overlap.md#chunked-exchanges), paired with the whole ones; at most "
                         "--experts / --ep")
+    p.add_argument("--charged-ep", type=int, default=None, metavar="N",
+                   help="the emulated network charges each exchange the bytes N expert-parallel ranks would send "
+                        "away (default: --ep). On one rank (--ep 1) nothing leaves and an exchange costs its latency "
+                        "alone; --charged-ep 8 gives it a cost that grows with its size, as chunks need")
     p.add_argument("--no-relay", dest="relay", action="store_false",
                    help="skip the overlap_relay run (the module without its protocol)")
     p.add_argument("--per-pair", action="store_true",
@@ -91,6 +96,8 @@ def _check(cfg: dict) -> None:
     for name in ("pp", "ep", "rounds", "steps", "dim", "seq", "experts"):
         if cfg[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {cfg[name]}")
+    if cfg.get("charged_ep") is not None and cfg["charged_ep"] < 1:
+        raise ValueError(f"--charged-ep must be >= 1, got {cfg['charged_ep']}")
     if cfg["microbatches"] < 2 * pp or (cfg["dualpipe"] and cfg["microbatches"] % 2):
         raise ValueError(f"--microbatches must be >= {2 * pp} (2 * pp; and even with --dualpipe), "
                          f"got {cfg['microbatches']}")
@@ -153,7 +160,8 @@ def _network(cfg: dict, comm: ExpertParallelComm) -> tuple[EmulatedNetwork, dict
     args = _model_args(cfg)
     tokens = 2 * cfg["seq"]
     exchange_bytes = args.num_experts * args.capacity(tokens) * args.dim * 4  # fp32 dispatch buffer
-    remote_bytes = exchange_bytes * (cfg["ep"] - 1) // cfg["ep"]
+    charged = cfg.get("charged_ep") or cfg["ep"]
+    remote_bytes = exchange_bytes * (charged - 1) // charged
     if cfg["latency_ms"] is not None or cfg["bandwidth_gbps"] is not None:
         latency = (cfg["latency_ms"] or 0.0) / 1e3
         bandwidth = cfg["bandwidth_gbps"] * 1e9 if cfg["bandwidth_gbps"] else float("inf")
@@ -339,7 +347,7 @@ def _dualpipe_schedules(parts: _Parts, n: int) -> dict[str, tuple[Any, bool]]:
 
 
 def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelComm,
-                 modules: Callable[[], list], record: ExposureRecorder | None = None,
+                 modules: Callable[[], list], record: ExposureRecorder | DeferredRecorder | None = None,
                  traces: list[StepTrace] | None = None) -> tuple[float, float, float, list[float]]:
     """Per step on this rank: seconds, seconds blocked in all-to-all waits, CPU seconds
     (all threads of the process, gloo's included), exchanges charged [forward, backward]; with
@@ -365,11 +373,18 @@ def _timed_steps(schedule, feeds: bool, x, y, steps: int, comm: ExpertParallelCo
     return (time.perf_counter() - start) / steps, waited / steps, cpu / steps, charged
 
 
+def _queue(device: torch.device) -> str:
+    """How this emulator's exchanges queue in the floor's model: on the CPU each flies on its own
+    (no channel); on a GPU their delays run one after another on one side stream."""
+    return "serial" if device.type == "cuda" else "fifo"
+
+
 def _exposure(traces: dict[str, list[list[StepTrace]]], device: torch.device) -> dict[str, dict[str, float]]:
     """Per run: each of :data:`STEP_KEYS` per step (mean over a round's steps, median over rounds),
-    mean over ranks. The exchanges of this emulator fly on their own (no queue)."""
+    mean over ranks."""
     names = list(traces)
-    medians = [[statistics.median(statistics.mean(step_exposure(t)[key] for t in steps) for steps in traces[name])
+    queue = _queue(device)
+    medians = [[statistics.median(statistics.mean(step_exposure(t, queue)[key] for t in steps) for steps in traces[name])
                 for key in STEP_KEYS] for name in names]
     values = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(values)
@@ -377,13 +392,13 @@ def _exposure(traces: dict[str, list[list[StepTrace]]], device: torch.device) ->
     return {name: dict(zip(STEP_KEYS, row, strict=True)) for name, row in zip(names, values.tolist(), strict=True)}
 
 
-def _per_pair(step: StepTrace) -> list[dict[str, float]]:
-    return [vars(pair_exposure(pair)) for pair in step.pairs]
+def _per_pair(step: StepTrace, device: torch.device) -> list[dict[str, float]]:
+    return [vars(pair_exposure(pair, _queue(device))) for pair in step.pairs]
 
 
 def _worker(cfg: dict) -> dict:
     pp_group, ep_group, pp_rank, ep_index = _groups(cfg["pp"], cfg["ep"])
-    comm = ExpertParallelComm(ep_group)
+    comm = ExpertParallelComm(ep_group, charged_size=cfg.get("charged_ep"))
     net, settings = _network(cfg, comm)
     comm.network = net
     comm.stats.timing = True  # GPU stalls timed per exchange; each _timed_steps drains them
@@ -399,9 +414,9 @@ def _worker(cfg: dict) -> dict:
 
     for name in names:  # warm-up: shape inference, allocator; the "measured" options' own steps
         _timed_steps(*schedules[name], x, y, WARM_UP_STEPS.get(name, 1), comm, modules_of(name))
-    # The floor needs the host's clock to time the segments: CPU runs only (a GPU's kernels run
-    # behind the host, on streams the recorder does not see).
-    record = start_recording() if _device().type == "cpu" else None
+    # The floor's segments: timed by the host's clock on the CPU, by CUDA events on the compute
+    # stream on a GPU (whose kernels run behind the host), read once per step.
+    record = start_recording(device=_device())
     step_s: dict[str, list[float]] = {name: [] for name in names}
     exposed: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -435,8 +450,8 @@ def _worker(cfg: dict) -> dict:
             "cpu_seconds": dict(zip(names, cpu_total.tolist(), strict=True)),
             "charged": dict(zip(names, charged_total.tolist(), strict=True)), "network": settings,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "exposure": _exposure(traces, device) if record is not None else None,
-            "pairs": {name: _per_pair(traces[name][-1][-1]) for name in traces} if record is not None else None,
+            "exposure": _exposure(traces, device),
+            "pairs": {name: _per_pair(traces[name][-1][-1], device) for name in traces},
             "two_batch_savings": {name: schedules[name][0].two_batch_choice.savings
                                   for name in TWO_BATCH_MEASURED if name in schedules},
             "two_batch_chosen": {name: sorted(schedules[name][0].two_batch_choice.chosen_everywhere)
@@ -470,9 +485,9 @@ def measure(cfg: dict) -> dict:
     if cfg["dualpipe"]:
         result["dualpipe_overlap_vs_sequential"] = (result["step_time_dualpipe_overlap"]
                                                     / result["step_time_dualpipe_sequential"])
-    if raw["exposure"] is not None:  # s/step: measured, floor, 1F1B (every exchange exposed); by pairs and lone halves
-        result["exposure"] = raw["exposure"]
-        result["pairs_last_step_rank0"] = raw["pairs"]
+    # s/step: measured, floor, 1F1B (every exchange exposed); by pairs and lone halves
+    result["exposure"] = raw["exposure"]
+    result["pairs_last_step_rank0"] = raw["pairs"]
     result["network"] = raw["network"]
     if raw["gpu"] is not None:
         result["gpu"] = raw["gpu"]
@@ -493,7 +508,7 @@ def _chunked_vs_whole(rounds: dict[str, list[float]], chunks: int) -> dict[str, 
 
 def run(args: argparse.Namespace) -> int:
     keys = ("pp", "ep", "device", "rounds", "steps", "microbatches", "layers", "dim", "seq", "experts", "comm_ratio",
-            "latency_ms", "bandwidth_gbps", "dualpipe", "relay", "compile", "exchange_chunks")
+            "latency_ms", "bandwidth_gbps", "dualpipe", "relay", "compile", "exchange_chunks", "charged_ep")
     cfg = {k: getattr(args, k) for k in keys}
     for name, size in DEFAULT_SIZES[cfg["device"]].items():
         cfg[name] = size if cfg[name] is None else cfg[name]
@@ -512,13 +527,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"emulated network ({how}): latency {net['latency_ms']:.3f} ms, bandwidth {net['bandwidth_gbps']:.4f} GB/s "
           f"-> {net['exchange_ms']:.2f} ms per all-to-all ({net['exchange_remote_bytes']} remote bytes)")
     _print_table(result, cpu=cfg["device"] == "cpu")
-    if "exposure" in result:
+    print()
+    print(exposure_table(result["exposure"]))
+    if args.per_pair:
         print()
-        print(exposure_table(result["exposure"]))
-        if args.per_pair:
-            print()
-            print(per_pair_table(result["pairs_last_step_rank0"]))
-        print()
+        print(per_pair_table(result["pairs_last_step_rank0"]))
+    print()
     print(f"overlap / sequential step time: {result['overlap_vs_sequential']:.3f}"
           + (f" (relay: {result['overlap_relay_vs_sequential']:.3f})" if cfg["relay"] else ""))
     print(f"with two-batch overlap / without: step time {result['two_batch_vs_overlap']:.3f}, exposed comm "

@@ -103,8 +103,11 @@ def overlap_figures(out: str) -> str:
     steps = ", ".join(f"{n} {result['step_time_' + n] * 1e3:.1f}" for n in names)
     exposed = ", ".join(f"{n} {result['exposed_comm_' + n] * 1e3:.1f}" for n in names)
     chunked = ", ".join(f"{n} {statistics.median(r):.3f}" for n, r in result.get("exchange_chunks", {}).items())
+    floors = ", ".join(f"{n} {e['measured'] * 1e3:.1f}/{e['floor'] * 1e3:.1f}/{e['serial'] * 1e3:.1f}"
+                       for n, e in result.get("exposure", {}).items())
     return (f"overlap/sequential {result['overlap_vs_sequential']:.3f}; ms/step: {steps}; "
             f"exposed comm ms/step: {exposed}; {result['network']['exchange_ms']:.2f} ms per all-to-all"
+            + (f"; exposure ms/step measured/floor/1F1B (CUDA events): {floors}" if floors else "")
             + (f"; 2 chunks / whole step, median of rounds: {chunked}" if chunked else ""))
 
 
@@ -154,10 +157,11 @@ def parts(logs: Path) -> list[Part]:
              "FSDP2, CSV orders, device checks and timing, NCCL on one rank", pytest_figures),
         Part("check", _cli("check", "--nproc", "1", "--backend", "nccl", "--compile", "inductor", "--json"), 420,
              "the numerics suite against a non-pipelined reference, NCCL order (blocks compiled too)", check_figures),
-        Part("bench overlap", _cli("bench", "overlap", "--device", "cuda", "--pp", "1", "--ep", "1",
-                                   "--compile", "inductor", "--exchange-chunks", "2", "--json"), 420,
-             "MoE all-to-all overlap in DualPipeV pairs through the protocol and as a relay, exchanges whole and "
-             "in 2 chunks (emulated network: a sleep kernel on a side stream)",
+        Part("bench overlap", _cli("bench", "overlap", "--device", "cuda", "--pp", "1", "--ep", "1", "--compile",
+                                   "inductor", "--exchange-chunks", "2", "--charged-ep", "8", "--json"), 420,
+             "MoE all-to-all overlap in DualPipeV pairs through the protocol and as a relay, each run's exposure "
+             "next to its floor, exchanges whole and in 2 chunks (emulated network: a sleep kernel on a side "
+             "stream, half latency, half the bytes 8 expert-parallel ranks would send away)",
              overlap_figures),
         Part("bench compile", _cli("bench", "compile", "--device", "cuda", "--blocks", "4", "--dim", "1024",
                                    "--tokens", "8192", "--seq", "512", "--microbatches", "4", "--rounds", "5",

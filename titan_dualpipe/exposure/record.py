@@ -6,6 +6,11 @@ each exchange posted (its emulated seconds and communicator), each hand-over and
 these each half's chain of :class:`~titan_dualpipe.exposure.floor.Segment` is cut, and
 :meth:`ExposureRecorder.take` hands over one step's :class:`StepTrace`. Nothing is recorded when
 no benchmark asked (:func:`recorder` is None). What a segment is: docs/overlap.md#the-floor.
+
+On the CPU the host's clock times the work. On a GPU the host runs ahead of the kernels it
+launches, so a :class:`DeferredRecorder` marks each event with a CUDA event on the current stream
+(:class:`DeviceClock`) and replays the events, their marks read as seconds, when a trace is asked
+for (one synchronization).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
+
+import torch
 
 from .floor import Exchange, Half, Segment, floor, lone_exposure, run_in_order, serial_exposure
 
@@ -159,6 +166,8 @@ class ExposureRecorder:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
+        self.now = clock  # a mark for :meth:`waited`: on this recorder, the time itself
+        self.host_clock = clock is time.perf_counter  # host times (time.perf_counter) are its marks
         self._pairs: list[PairTrace] = []
         self._pair: list[HalfTrace] | None = None
         self._pair_start = 0.0
@@ -216,8 +225,8 @@ class ExposureRecorder:
         self._current.switch()
 
     def waited(self, start: float, end: float, late: float = 0.0) -> None:
-        """A wait for an exchange from ``start`` to ``end``; ``late``: seconds of it past the
-        exchange's own arrival (the emulated time), which the floor does not model."""
+        """A wait for an exchange from ``start`` to ``end`` (marks of :attr:`now`); ``late``: seconds
+        of it past the exchange's own arrival (the emulated time), which the floor does not model."""
         self._current.waited(start, end, late)
 
     def closed_pairs(self) -> int:
@@ -242,18 +251,117 @@ class ExposureRecorder:
         return step
 
 
-_RECORDER: ExposureRecorder | None = None
+class DeviceClock:
+    """A CUDA device's clock: :meth:`mark` records an event on the calling thread's current stream
+    (the stream the work runs on, the relay's helper thread included); :meth:`read` gives the
+    seconds from the first of the marks it is given to each (it synchronizes the device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def read(self, marks: Sequence[torch.cuda.Event]) -> list[float]:
+        torch.cuda.synchronize(self.device)
+        return [marks[0].elapsed_time(m) / 1e3 for m in marks]
 
 
-def recorder() -> ExposureRecorder | None:
+class DeferredRecorder:
+    """:class:`ExposureRecorder`'s calls for a clock that is read later (:class:`DeviceClock`):
+    each call is logged with a mark (:meth:`waited` with the marks it is given) and replayed into an
+    :class:`ExposureRecorder` running on the marks' seconds when a trace is asked for
+    (:meth:`take`, :meth:`closed_pairs`, :meth:`pairs_since`)."""
+
+    def __init__(self, clock: DeviceClock) -> None:
+        self.clock = clock
+        self.now = clock.mark
+        self.host_clock = False
+        self._origin = clock.mark()
+        self._log: list[tuple[str, tuple, tuple]] = []  # (method, arguments, marks)
+        self._open = False
+        self._at = 0.0  # the replay's clock: the seconds of the call being replayed
+        self._live = ExposureRecorder(clock=lambda: self._at)
+
+    def _logged(self, method: str, *args: Any) -> None:
+        self._log.append((method, args, (self.clock.mark(),)))
+
+    def open_pair(self, kind: tuple[int, ...] | None = None) -> bool:
+        if self._open:  # as the live recorder answers
+            return False
+        self._open = True
+        self._logged("open_pair", kind)
+        return True
+
+    def run(self, half: int) -> None:
+        self._logged("run", half)
+
+    def stop(self, half: int) -> None:
+        self._logged("stop", half)
+
+    def end(self, half: int) -> None:
+        self._logged("end", half)
+
+    def close_pair(self) -> None:
+        if self._open:
+            self._open = False
+            self._logged("close_pair")
+
+    def posted(self, seconds: float, channel: Hashable | None = None) -> None:
+        self._logged("posted", seconds, channel)
+
+    def switch(self) -> None:
+        self._log.append(("switch", (), ()))
+
+    def waited(self, start: Any, end: Any, late: float = 0.0) -> None:
+        self._log.append(("waited", (late,), (start, end)))
+
+    def closed_pairs(self) -> int:
+        self._replay()
+        return self._live.closed_pairs()
+
+    def pairs_since(self, mark: int) -> list[PairTrace]:
+        self._replay()
+        return self._live.pairs_since(mark)
+
+    def take(self) -> StepTrace:
+        self._logged("take")
+        return self._replay()
+
+    def _replay(self) -> Any:
+        """Every logged call, in order, on the live recorder; returns the last one's answer."""
+        marks = [m for _, _, entry_marks in self._log for m in entry_marks]
+        seconds = iter(self.clock.read([self._origin, *marks])[1:]) if marks else iter(())
+        answer = None
+        for method, args, entry_marks in self._log:
+            times = [next(seconds) for _ in entry_marks]
+            if method == "waited":
+                answer = self._live.waited(times[0], times[1], *args)
+                continue
+            if times:
+                self._at = times[0]
+            answer = getattr(self._live, method)(*args)
+        self._log.clear()
+        return answer
+
+
+_RECORDER: ExposureRecorder | DeferredRecorder | None = None
+
+
+def recorder() -> ExposureRecorder | DeferredRecorder | None:
     """The recorder a benchmark started in this process, or None (nothing to record)."""
     return _RECORDER
 
 
-def start_recording(clock: Callable[[], float] = time.perf_counter) -> ExposureRecorder:
-    """Record this process's pairs and exchanges from now on (benchmarks); returns the recorder."""
+def start_recording(clock: Callable[[], float] = time.perf_counter,
+                    device: torch.device | None = None) -> ExposureRecorder | DeferredRecorder:
+    """Record this process's pairs and exchanges from now on (benchmarks); returns the recorder:
+    on a CUDA ``device`` a :class:`DeferredRecorder` on its :class:`DeviceClock`, else one on ``clock``."""
     global _RECORDER
-    _RECORDER = ExposureRecorder(clock)
+    cuda = device is not None and torch.device(device).type == "cuda"
+    _RECORDER = DeferredRecorder(DeviceClock(torch.device(device))) if cuda else ExposureRecorder(clock)
     return _RECORDER
 
 

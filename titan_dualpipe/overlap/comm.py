@@ -31,6 +31,11 @@ T = TypeVar("T")
 logger = logging.getLogger("titan_dualpipe")
 
 
+# What a recorder files the GPU's emulated exchanges under: their delays run one after another on one
+# side stream, a "serial" queue (titan_dualpipe.exposure.floor).
+GPU_DELAY_CHANNEL = "emulated network (GPU side stream)"
+
+
 @dataclass(frozen=True)
 class EmulatedNetwork:
     """Cost of one all-to-all: ``latency_s + remote_bytes / bandwidth_bytes_per_s``."""
@@ -79,6 +84,9 @@ class CommStats:
     def wait_until(self, ready_at: float, wait: Callable[[], T]) -> T:
         """``wait()``, then sleep until ``ready_at`` (``time.perf_counter`` seconds: an emulated
         network's end); the time blocked counts as exposed."""
+        record = recorder()
+        device_marks = record is not None and not record.host_clock  # else the host's times are its marks
+        marked = record.now() if device_marks else None
         start = time.perf_counter()
         result = wait()
         remaining = ready_at - time.perf_counter()
@@ -86,9 +94,9 @@ class CommStats:
             time.sleep(remaining)
         end = time.perf_counter()
         self.waited_s += end - start
-        record = recorder()
         if record is not None:  # late: past the emulated arrival (a peer posting late, a sleep woken late)
-            record.waited(start, end, late=max(0.0, end - max(ready_at, start)))
+            span = (marked, record.now()) if device_marks else (start, end)
+            record.waited(*span, late=max(0.0, end - max(ready_at, start)))
         return result
 
     def collect(self) -> float:
@@ -156,15 +164,20 @@ class PendingAllToAll:
 
     def _wait_on_gpu(self) -> None:
         """The compute stream waits (the CPU does not); with ``stats.timing``, CUDA events time
-        the stall (kept until ``collect()``, so only a benchmark that drains them asks)."""
+        the stall (kept until ``collect()``, so only a benchmark that drains them asks); a
+        benchmark's recorder gets the stall as its own marks (the device's clock)."""
+        record = recorder()
+        started = record.now() if record is not None else None
         if not self._stats.timing:
             self._stream_waits()
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self._stream_waits()
-        end.record()
-        self._stats.gpu_stalls.append((start, end))
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._stream_waits()
+            end.record()
+            self._stats.gpu_stalls.append((start, end))
+        if record is not None:
+            record.waited(started, record.now())
 
     def _stream_waits(self) -> None:
         if self._gpu_done is not None:
@@ -184,6 +197,9 @@ class ExpertParallelComm:
     group: dist.ProcessGroup | None = None
     network: EmulatedNetwork | None = None
     stats: CommStats = field(default_factory=CommStats)
+    # The group size the emulated network charges for (None: this group's): on one rank, the bytes a
+    # group of that size would send away, so that an exchange's cost grows with its size (chunks).
+    charged_size: int | None = None
     _gpu_delay: GpuDelay | None = field(default=None, repr=False)
 
     @property
@@ -225,7 +241,8 @@ class ExpertParallelComm:
         return PendingAllToAll(output, work, ready_at, self.stats)
 
     def _remote_bytes(self, x: torch.Tensor) -> int:
-        return x.numel() * x.element_size() * (self.size - 1) // self.size
+        size = self.charged_size or self.size
+        return x.numel() * x.element_size() * (size - 1) // size
 
     def _post_emulated_on_gpu(self, x: torch.Tensor) -> PendingAllToAll:
         """The network's time as a sleep kernel on a side stream, then the real exchange (if
@@ -234,7 +251,9 @@ class ExpertParallelComm:
         if self._gpu_delay is None or self._gpu_delay.device != x.device:
             self._gpu_delay = GpuDelay(x.device)
         x = x.contiguous()  # queued before the side stream starts waiting on the compute stream
-        side = self._gpu_delay.delay(self.network.seconds(self._remote_bytes(x)))
+        seconds = self.network.seconds(self._remote_bytes(x))
+        side = self._gpu_delay.delay(seconds)
+        _record_posted(seconds, GPU_DELAY_CHANNEL)  # the delays queue one after another on one side stream
         if self.group is None:
             done = torch.cuda.Event()
             done.record(side)

@@ -24,9 +24,10 @@ forward's stage and its backward's) from the run itself:
 ``"measured_first"`` decides the same way but keeps every kind alternating, from the half whose
 start exposes less in the model: what ``"measured"`` chose before it planned hand-overs.
 
-Only exchanges whose time is known (the CPU's emulated exchanges) give an order, and only a CPU
-run's segments are timed (on a GPU the host's clock would time kernel launches); elsewhere every
-kind keeps the forward first. docs/overlap.md#which-half-first.
+Only exchanges whose time is known (an emulated network's) give an order; elsewhere every kind
+keeps the forward first. The segments are timed by the host's clock on the CPU and by CUDA events
+on the compute stream on a GPU (:class:`~titan_dualpipe.exposure.record.DeferredRecorder`, read
+once after the step). docs/overlap.md#which-half-first.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ class PairFirst:
         chosen = (self.orders or {}).get(self.kind(forward, backward))
         return None if chosen is None else chosen.plan
 
+    @property
+    def queue(self) -> str:
+        """How a communicator's exchanges queue in the floor's model: "fifo" (NCCL's ready order,
+        the CPU's emulation) or, on a GPU, "serial": the emulated network's delays run one after
+        another on one side stream."""
+        return "serial" if self._device.type == "cuda" else "fifo"
+
     @staticmethod
     def kind(forward: _Action, backward: _Action) -> tuple[int, int]:
         """What a recorder files the pair under."""
@@ -96,10 +104,10 @@ class PairFirst:
         if not measuring:
             yield
             return
-        # a CPU run's segments only: on a GPU the host's clock would time kernel launches (no order there)
-        timed = self._device.type == "cpu"
+        # the host's clock on the CPU, CUDA events on a GPU (whose host runs ahead of its kernels)
+        timed = self._device.type in ("cpu", "cuda")
         own = timed and recorder() is None  # a benchmark's recorder keeps recording; else one for this step
-        record = start_recording() if own else recorder() if timed else None
+        record = start_recording(device=self._device) if own else recorder() if timed else None
         mark = record.closed_pairs() if record is not None else 0
         try:
             yield
@@ -130,7 +138,8 @@ class PairFirst:
                 halves = mean_halves(sums[k], lengths[k])
                 if halves is not None:
                     kind = (k // self._num_stages, k % self._num_stages)
-                    orders[kind] = kind_order(halves, lengths[k][3:], planned=self.mode == "measured")
+                    orders[kind] = kind_order(halves, lengths[k][3:], planned=self.mode == "measured",
+                                              queue=self.queue)
         self.orders = orders
 
     @property
