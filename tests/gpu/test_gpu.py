@@ -385,7 +385,7 @@ def test_bench_overlap_runs_on_this_device():
     for name in ("overlap", "overlap_relay", "sequential", "torch_dualpipev"):
         assert result[f"step_time_{name}"] > 0 and result[f"exposed_comm_{name}"] >= 0
         exposure = result["exposure"][name]  # the floor, from segments timed on this device
-        assert exposure["measured"] == pytest.approx(result[f"exposed_comm_{name}"], rel=1e-3, abs=1e-4), name
+        assert exposure["measured"] == pytest.approx(result[f"exposed_comm_{name}"], rel=0.01, abs=1e-4), name
         assert 0 <= exposure["floor"] <= exposure["serial"] + 1e-9 and exposure["serial"] > 0, (name, exposure)
     assert result["pairs_last_step_rank0"]["overlap_relay"] and not result["pairs_last_step_rank0"]["sequential"]
 

@@ -167,17 +167,18 @@ class PendingAllToAll:
         the stall (kept until ``collect()``, so only a benchmark that drains them asks); a
         benchmark's recorder gets the stall as its own marks (the device's clock)."""
         record = recorder()
-        started = record.now() if record is not None else None
-        if not self._stats.timing:
+        marked = record is not None and not record.host_clock  # a recorder on the device's clock
+        if not (self._stats.timing or marked):
             self._stream_waits()
-        else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._stream_waits()
-            end.record()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._stream_waits()
+        end.record()
+        if self._stats.timing:
             self._stats.gpu_stalls.append((start, end))
-        if record is not None:
-            record.waited(started, record.now())
+        if marked:  # the same stall, the same events
+            record.waited(start, end)
 
     def _stream_waits(self) -> None:
         if self._gpu_done is not None:
