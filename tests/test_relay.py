@@ -336,6 +336,36 @@ def test_the_backward_halfs_stream_is_seeded_by_the_state_the_pair_starts_from()
     assert not torch.equal(first, torch.rand(11)[3:])  # none of the forward's stream
 
 
+@pytest.mark.parametrize("first", [FORWARD, BACKWARD], ids=["forward_first", "backward_first"])
+def test_each_half_keeps_its_own_weight_queue_marks_and_work_in_flight(first):
+    """Two halves that each enter and leave the weight queue's deferring and collecting, and set
+    work in flight, at different times (two forwards or two backwards of one relay): each sees its
+    own marks and work throughout, and the pair leaves the state it started from. Shared, the
+    first to leave its blocks would reset the marks under the other."""
+    from titan_dualpipe.weights import in_flight
+    from titan_dualpipe.weights.queue import WeightGradQueue
+
+    queue = WeightGradQueue()
+    seen: dict[int, list] = {FORWARD: [], BACKWARD: []}
+
+    def half(h: int):
+        def work() -> None:
+            pass
+
+        def run() -> None:
+            with queue.deferring(), queue.collecting((h, 0)), in_flight.work_while_exchanges_fly(work):
+                hand_over()
+                seen[h].append((queue.parked(), in_flight.parked()[0] is work))
+            hand_over()
+            seen[h].append((queue.parked(), in_flight.parked()[0] is None))
+        return run
+
+    run_relayed(half(FORWARD), half(BACKWARD), first, half_locals=(queue,))
+    for h in (FORWARD, BACKWARD):
+        assert seen[h] == [((True, (h, 0)), True), ((False, None), True)], (h, seen)
+    assert queue.parked() == (False, None) and in_flight.parked() == (None, False)
+
+
 def test_backward_half_runs_in_the_callers_autocast_and_inference_mode():
     seen: list = []
     a = torch.ones(2, 2)

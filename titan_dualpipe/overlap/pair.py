@@ -39,8 +39,9 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
         order = executor.view.pair_order
         first = FORWARD if order is None else order.first(forward, backward)
         plan = None if order is None else order.plan(forward, backward)
+        weights = () if executor.plan is None else (executor.plan.queue,)  # each half's forward/backward marks
         run_relayed(forward_half, lambda: executor.run_backward(backward), first,
-                    kind=PairFirst.kind(forward, backward), plan=plan)
+                    kind=PairFirst.kind(forward, backward), plan=plan, half_locals=weights)
         warn_once_if_exchange_traced()
         return
 

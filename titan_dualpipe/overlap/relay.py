@@ -22,7 +22,7 @@ import hashlib
 import queue
 import threading
 from types import ModuleType
-from typing import Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 
@@ -34,9 +34,20 @@ from .._compat.autograd import (
 )
 from ..exposure.floor import HandOverPlan
 from ..exposure.record import ExposureRecorder, recorder
+from ..weights import in_flight
 from ..weights.in_flight import run_work_in_flight
 
 _RngStates = list[tuple[torch.Generator, torch.Tensor]]
+
+
+class HalfLocal(Protocol):
+    """Process-wide state that each half of a relayed pair keeps as its own: parked when the half
+    stops, resumed when it runs again (a half that has not run starts from the state at the pair's
+    start). The weight queue's forward/backward marks are (:meth:`WeightGradQueue.parked`)."""
+
+    def parked(self) -> Any: ...
+
+    def resume(self, state: Any) -> None: ...
 
 FORWARD, BACKWARD = 0, 1
 _HALF_NAMES = ("forward", "backward")
@@ -50,7 +61,8 @@ class Relay:
     """The baton of one pair: which half may compute, passed at each hand-over."""
 
     def __init__(self, start_backward: Callable[[], None], first: int = FORWARD,
-                 kind: tuple[int, ...] | None = None, plan: HandOverPlan | None = None) -> None:
+                 kind: tuple[int, ...] | None = None, plan: HandOverPlan | None = None,
+                 half_locals: Sequence[HalfLocal] = ()) -> None:
         self._cond = threading.Condition()
         self._forward_thread = threading.get_ident()
         self._start_backward = start_backward
@@ -66,6 +78,10 @@ class Relay:
         self._accelerator = _accelerator_module()
         self._rng: list[_RngStates | None] = [None, None]  # each half's parked generator states
         self._rng_at_start = _rng_states(self._accelerator)  # the backward half's stream is seeded from these
+        # the slot of work in flight (every pair) and what the caller names: each half's own
+        self._locals: tuple[HalfLocal, ...] = (in_flight, *half_locals)
+        self._locals_at_start = [h.parked() for h in self._locals]
+        self._parked: list[list | None] = [None, None]
         self.record: ExposureRecorder | None = None  # a benchmark's recorder of this pair's segments
         # when the exchange each half handed over at arrives (time.perf_counter(); None: unknown)
         self.awaited: list[float | None] = [None, None]
@@ -93,7 +109,7 @@ class Relay:
             if not self.backward_started:  # the forward's first hand-over starts the backward half
                 self.backward_started = True
                 self._start_backward()
-            self._switch_rng(me, other)
+            self._switch_halves(me, other)
             if self.record is not None:
                 self.record.stop(me)
             self._turn = other
@@ -109,37 +125,49 @@ class Relay:
         if self._errors:  # only a half that ended records an error: the partner
             raise PartnerFailed(f"the {_HALF_NAMES[1 - me]} half of this pair raised; the {_HALF_NAMES[me]} half stops")
 
-    def _switch_rng(self, me: int, other: int) -> None:
-        """Park this half's generator states and resume the partner's (a half that has not run
-        yet starts its stream)."""
-        self._rng[me] = _rng_states(self._accelerator)
-        self._resume_rng(other)
+    def _switch_halves(self, me: int, other: int) -> None:
+        """Park this half's generator states and half-local state, and resume the partner's (a
+        half that has not run yet starts its stream)."""
+        self._park(me)
+        self._resume_half(other)
 
-    def _resume_rng(self, half: int) -> None:
+    def _park(self, half: int) -> None:
+        self._rng[half] = _rng_states(self._accelerator)
+        self._parked[half] = [h.parked() for h in self._locals]
+
+    def _resume_half(self, half: int) -> None:
         """Set ``half``'s generator states: where it stopped, or where its stream starts (the
         forward's: the caller's at the pair's start; the backward's: a stream of its own, seeded
-        from those), whichever half runs first."""
+        from those), whichever half runs first; and its half-local state (where it stopped, or the
+        pair's start)."""
         parked = self._rng[half]
         if parked is None and half == FORWARD:
             parked = self._rng_at_start
         elif parked is None:
             parked = _forked(_rng_states(self._accelerator), self._rng_at_start)
         _set_rng_states(parked)
+        self._resume_locals(self._parked[half] or self._locals_at_start)
 
-    def _rng_at_end(self, half: int) -> None:
-        """Leave the generators to the half that goes on, or where the forward ended."""
-        self._rng[half] = _rng_states(self._accelerator)
+    def _resume_locals(self, states: list) -> None:
+        for half_local, state in zip(self._locals, states, strict=True):
+            half_local.resume(state)
+
+    def _leave_half(self, half: int) -> None:
+        """Leave the generators (and half-local state) to the half that goes on, or where the
+        forward ended."""
+        self._park(half)
         other = 1 - half
         if not self._ended[other]:
-            self._resume_rng(other)
+            self._resume_half(other)
         elif half == BACKWARD:
             _set_rng_states(self._rng[FORWARD])
+            self._resume_locals(self._parked[FORWARD])
 
     def start_backward_first(self) -> None:
         """On the forward's thread: start the backward half on its stream and wait until it hands
         over (or ends); raises :class:`PartnerFailed` where it raised."""
         self.backward_started = True
-        self._resume_rng(BACKWARD)
+        self._resume_half(BACKWARD)
         self._start_backward()
         self.wait_turn(FORWARD)
 
@@ -155,7 +183,7 @@ class Relay:
             if self.record is not None:
                 self.record.end(half)
             if self.backward_started:  # else one stream, as sequential: nothing to switch
-                self._rng_at_end(half)
+                self._leave_half(half)
             self._ended[half] = True
             if error is not None and not isinstance(error, PartnerFailed):
                 self._errors.append(error)
@@ -205,12 +233,14 @@ def running_half() -> str | None:
 
 
 def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], None], first: int = FORWARD,
-                kind: tuple[int, ...] | None = None, plan: HandOverPlan | None = None) -> Relay:
+                kind: tuple[int, ...] | None = None, plan: HandOverPlan | None = None,
+                half_locals: Sequence[HalfLocal] = ()) -> Relay:
     """Run both halves as a relay (see the module docstring), ``first`` (:data:`FORWARD` or
     :data:`BACKWARD`) until its first hand-over; returns the finished relay. ``kind``: what a
     recording benchmark files the pair under (:mod:`.pair_first` measures by it). ``plan``: per
     half, whether it switches at each of its hand-overs in turn (:func:`~titan_dualpipe.exposure.floor.hand_over_plan`);
-    None, and every hand-over past a half's plan, switches."""
+    None, and every hand-over past a half's plan, switches. ``half_locals``: process-wide state each
+    half keeps as its own (:class:`HalfLocal`; the slot of work in flight always is)."""
     global _active
     if _active is not None:
         raise RuntimeError("a relayed pair is already running in this process: pairs do not nest")
@@ -230,7 +260,8 @@ def run_relayed(forward_half: Callable[[], None], backward_half: Callable[[], No
         relay.end(BACKWARD, error)
         backward_ended.set()
 
-    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job), first=first, kind=kind, plan=plan)
+    relay = Relay(start_backward=lambda: _helper_thread().submit(backward_job), first=first, kind=kind, plan=plan,
+                  half_locals=half_locals)
     record = recorder()
     if record is not None and record.open_pair(kind):
         relay.record = record

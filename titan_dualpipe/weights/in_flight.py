@@ -9,7 +9,8 @@ inside an autograd node): a forward's, or a recomputation's, leave it for the ne
 
 The slot is process-wide, set only for the length of one backward: autograd may run a backward's
 nodes on a device thread, and a relayed pair runs its backward half on a helper thread, neither
-of which would see a thread-local or a context variable.
+of which would see a thread-local or a context variable. A relay parks it with each half
+(:func:`parked`, :func:`resume`), as it does the random-number generators.
 
 As fillers (``weight_gemms_in_flight="fill"``), a backward computes only what fits before the
 exchange its partner half waits on arrives, and more before its own wait, so that the GEMMs cover
@@ -50,6 +51,18 @@ def work_while_exchanges_fly(work: Work, fill: bool = False) -> Iterator[None]:
         yield
     finally:
         _work, _fills = previous
+
+
+def parked() -> tuple[Work | None, bool]:
+    """The slot as the running half of a relayed pair sees it, to park while its partner runs (two
+    backwards of one relay each set their own)."""
+    return _work, _fills
+
+
+def resume(state: tuple[Work | None, bool]) -> None:
+    """Set the slot to a half's :func:`parked` state."""
+    global _work, _fills
+    _work, _fills = state
 
 
 def run_work_in_flight(*, until: float | None = None, segment_backward: bool = False) -> None:

@@ -58,8 +58,9 @@ class WeightGradQueue:
     :meth:`deferring` marks the forwards running now as deferrable; :meth:`collecting` marks the
     backward running now as an ``I`` whose weight GEMMs wait for :meth:`run`. Both are
     attributes, not thread-local state: autograd runs a CUDA backward on its own device thread,
-    and a relay runs two halves on two threads. A forward and a recomputation inside a backward
-    tell themselves apart by whether a backward runs on their thread (:meth:`routes_now`).
+    and a relay runs two halves on two threads; a relay parks them with each half (:meth:`parked`).
+    A forward and a recomputation inside a backward tell themselves apart by whether a backward
+    runs on their thread (:meth:`routes_now`).
     """
 
     def __init__(self, min_flops: int | None = 0) -> None:
@@ -108,6 +109,16 @@ class WeightGradQueue:
             yield
         finally:
             self.target = None
+
+    def parked(self) -> tuple[bool, Key | None]:
+        """What :meth:`deferring` and :meth:`collecting` set, as the running half of a relayed pair
+        sees it: parked while its partner runs (two forwards, or two backwards, of one relay each
+        enter and leave their own)."""
+        return self.defers_forwards, self.target
+
+    def resume(self, state: tuple[bool, Key | None]) -> None:
+        """Set what a half's :meth:`parked` state says."""
+        self.defers_forwards, self.target = state
 
     def routes_now(self) -> bool:
         """Whether a GEMM called now builds a deferrable weight gradient: a forward inside
