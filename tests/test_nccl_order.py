@@ -22,6 +22,7 @@ from cases import pipeline_cases as cases
 from cases.dist_pool import WorkerPool
 from titan_dualpipe import compute_order, placement
 from titan_dualpipe._compat import pipelining
+from titan_dualpipe.orders.lone_pairs import pair_lone_actions
 from titan_dualpipe.orders.lowering import lower
 from titan_dualpipe.orders.nccl_model import (
     RECV, SEND, Collective, Deadlock, P2P, Post, Trace, Wait, check_completes, check_completes_eager, communicators,
@@ -38,13 +39,15 @@ def _configs(max_pp: int = 8):
                 yield schedule, pp, n
 
 
+@pytest.mark.parametrize("lone_pairs", [False, True], ids=["", "lone pairs"])
 @pytest.mark.parametrize("lone_ops_on_pairs", [True, False], ids=["torch>=2.13 lone ops", "torch<2.13 batches"])
 @pytest.mark.parametrize("defer", [False, True], ids=["asap", "deferred"])
-def test_planned_orders_complete_without_buffering(defer, lone_ops_on_pairs):
+def test_planned_orders_complete_without_buffering(defer, lone_ops_on_pairs, lone_pairs):
     checked = 0
     for schedule, pp, n in _configs():
         place = placement(schedule, pp, n)
-        lowered = lower(compute_order(schedule, pp, n), place, defer_recv=defer)
+        order = compute_order(schedule, pp, n)
+        lowered = lower(pair_lone_actions(order, place) if lone_pairs else order, place, defer_recv=defer)
         trace = planned_trace(lowered, place, lone_ops_on_pairs=lone_ops_on_pairs)
         try:
             check_completes(trace)
@@ -177,6 +180,7 @@ RECORDED = [
     ("DualPipeV", 4, 8, {"overlap": False}), ("DualPipeV", 4, 8, {"defer_pp_recv": True, "overlap": False}),
     ("DualPipe", 2, 4, {}), ("DualPipe", 4, 8, {}), ("DualPipe", 4, 10, {"defer_pp_recv": True}),
     ("DualPipe", 4, 8, {"overlap": False}), ("DualPipeV", 2, 4, {"fsdp": True}), ("DualPipe", 2, 6, {"fsdp": True}),
+    ("DualPipeV", 4, 8, {"lone_pairs": True}), ("DualPipe", 4, 8, {"lone_pairs": True}),
 ]
 
 

@@ -13,6 +13,7 @@ MIN_FLOPS_ENV = "TITAN_DUALPIPE_MIN_WEIGHT_GEMM_FLOPS"  # least FLOPs of a defer
 COUNT_GROUPS_ENV = "TITAN_DUALPIPE_COUNT_GROUPS"  # "0": token counts on the expert-parallel group's communicator; unset or "1": their own
 WEIGHT_GEMMS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHT_GEMMS_IN_FLIGHT"  # "0": a full backward computes its weight GEMMs inline; unset or "1": while its exchanges fly; "fill": as fillers
 EXCHANGE_CHUNKS_ENV = "TITAN_DUALPIPE_EXCHANGE_CHUNKS"  # k: each MoE layer's dispatch and combine as k exchanges by groups of experts (unset or "1": one)
+LONE_PAIRS_ENV = "TITAN_DUALPIPE_LONE_PAIRS"  # "1": adjacent lone actions of one direction run as relayed pairs (unset or "0": alone)
 PAIR_FIRST_ENV = "TITAN_DUALPIPE_PAIR_FIRST"  # which half of a relayed pair runs first: "forward" (unset: the config's, default), "backward" or "measured"
 OLD_WEIGHTS_IN_FLIGHT_ENV = "TITAN_DUALPIPE_WEIGHTS_IN_FLIGHT"  # the same, under its deprecated name
 

@@ -73,7 +73,7 @@ def _is_expert(name: str) -> bool:
 def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp: bool, module_cls: type = MoETransformer,
           schedule_cls: Any = None, compile_backend: str | None = None, two_batch: bool = False,
           reshard_after_forward: bool | None = None, weight_gemms_in_flight: bool = True, exchange_chunks: int = 1,
-          pair_first: str = "forward") -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
+          pair_first: str = "forward", lone_pairs: bool = False) -> tuple[nn.Module, dict[int, nn.Module], Any, ExpertParallelComm]:
     """Reference model, this rank's stage modules and schedule (same init on every call);
     ``compile_backend``: the blocks of both compiled in place; ``exchange_chunks``: both models'."""
     topo = topology(COMPILE_GROUP_TIMEOUT_S) if compile_backend else topology()  # topology() is the others' key
@@ -96,7 +96,8 @@ def build(schedule: str, n: int, *, overlap: bool, checkpoint: bool | str, fsdp:
         sched = runnable_on_gloo(schedule_cls(stages, n, loss_fn=lm_loss))
     else:
         sched = SCHEDULES[schedule](stages, n, loss_fn=lm_loss, overlap=overlap, two_batch_overlap=two_batch,
-                                    weight_gemms_in_flight=weight_gemms_in_flight, pair_first=pair_first)
+                                    weight_gemms_in_flight=weight_gemms_in_flight, pair_first=pair_first,
+                                    lone_pairs=lone_pairs)
     return reference, modules, sched, comm
 
 
@@ -143,7 +144,7 @@ def _step(sched, modules, place, x, y) -> list[float]:
 
 
 def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = False, steps: int = 2,
-                 relay: bool = False, compile_backend: str | None = None) -> dict:
+                 relay: bool = False, compile_backend: str | None = None, lone_pairs: bool = False) -> dict:
     """overlap=True and overlap=False: each matches the reference (losses, every gradient,
     two steps with Adam between) and the two agree bit for bit. ``relay``: the module
     without its protocol; ``compile_backend``: blocks compiled in place (the reference's too)."""
@@ -153,7 +154,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
     runs = {}
     for overlap in (True, False):
         runs[overlap] = build(schedule, n, overlap=overlap, checkpoint=checkpoint, fsdp=fsdp, module_cls=module_cls,
-                              compile_backend=compile_backend)
+                              compile_backend=compile_backend, lone_pairs=lone_pairs and overlap)
     reference = runs[True][0]
     if compile_backend:  # compiled stages keep their backward whole (the default)
         from torch._dynamo.utils import counters
@@ -164,7 +165,8 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
             for o, r in runs.items()}
     result = {"grad_err": 0.0, "losses_checked": 0, "bitwise_tensors": 0, "fused_pairs": 0,
               "fused_pairs_without_overlap": 0, "hand_overs": 0, "hand_overs_without_overlap": 0,
-              "deferred_expert_gemms": 0, "deferred_linear_gemms": 0, "weight_gemms_in_flight": 0}
+              "deferred_expert_gemms": 0, "deferred_linear_gemms": 0, "weight_gemms_in_flight": 0,
+              "lone_pair_hand_overs": 0}
     for step in range(steps):
         want = _reference_losses(reference, step, n, ep_index)
         x, y = batch(step, n, ep_index)
@@ -174,6 +176,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
                 losses = _step(sched, modules, place, x, y)
             result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
             result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
+            result["lone_pair_hand_overs"] += sum(r.hand_overs for r in relays if r.kind is None) if overlap else 0
             result["deferred_expert_gemms"] += sched.weight_policy.queue.ran_kinds["experts"]
             result["deferred_linear_gemms"] += sched.weight_policy.queue.ran_kinds["linear"]
             result["weight_gemms_in_flight"] += sched.weight_policy.queue.ran_in_flight if overlap else 0

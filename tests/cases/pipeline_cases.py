@@ -113,12 +113,12 @@ def schedules_over_shared_modules(schedule: str, pp: int, n: int) -> dict | None
     return out
 
 
-def eval_matches_reference(schedule: str, pp: int, n: int) -> dict | None:
+def eval_matches_reference(schedule: str, pp: int, n: int, **schedule_kwargs) -> dict | None:
     """eval(): forward only, outputs and losses equal the reference forward."""
     if (ranks := pipeline_ranks(pp)) is None:
         return None
     group, rank = ranks
-    reference, modules, sched = build_pipeline(schedule, pp, n, group, rank)
+    reference, modules, sched = build_pipeline(schedule, pp, n, group, rank, **schedule_kwargs)
     place = sched.placement
     x, y = batch(0, n)
     losses: list = []

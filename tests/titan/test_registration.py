@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cases.titan_runs import REGISTRY, job_config
-from titan_dualpipe.switches import (NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV,
+from titan_dualpipe.switches import (LONE_PAIRS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV,
                                      WEIGHT_GEMMS_IN_FLIGHT_ENV, WEIGHT_GRADIENTS_ENV)
 
 
@@ -256,3 +256,17 @@ def test_a_bad_two_batch_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(TWO_BATCH_ENV, "yes")
     with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_TWO_BATCH='yes': use 1 \(on\), measured \(.*\) or 0"):
         pipeline.two_batch_option()
+
+
+@pytest.mark.parametrize("env,expected", [(None, False), ("0", False), ("1", True)])
+def test_lone_pairs_reach_the_schedule_built(env, expected, monkeypatch, active_run_kept):
+    """``TITAN_DUALPIPE_LONE_PAIRS`` (both releases) becomes our class's ``lone_pairs``; a bad value
+    is named with the choices."""
+    if env is None:
+        monkeypatch.delenv(LONE_PAIRS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LONE_PAIRS_ENV, env)
+    assert _built_with(monkeypatch).kwargs["lone_pairs"] is expected
+    monkeypatch.setenv(LONE_PAIRS_ENV, "yes")
+    with pytest.raises(ValueError, match=r"TITAN_DUALPIPE_LONE_PAIRS='yes': use 1"):
+        _built_with(monkeypatch)

@@ -28,8 +28,8 @@ from typing import Any
 from ..launch import add_options, dump_folder_flag, take_back_options
 # what a run's trainer processes read (:mod:`titan_dualpipe.titan.bench_probe`, :mod:`titan_dualpipe.titan.fold`)
 from ..switches import (BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_GROUPS_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_CHUNKS_ENV,
-                        EXCHANGE_S_ENV, FOLD_ENV,
-                        MIN_FLOPS_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV, WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
+                        EXCHANGE_S_ENV, FOLD_ENV, LONE_PAIRS_ENV, MIN_FLOPS_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV,
+                        WEIGHT_GRADIENTS_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV)
 from ..torchtitan_version import check_torchtitan_version, uses_config_registry
 
 
@@ -52,6 +52,7 @@ class Variant:
     min_weight_gemm_flops: int | None = None  # the least FLOPs of a deferred weight GEMM (None: the device's default)
     pair_first: str = "forward"  # which half of a relayed pair runs first (docs/overlap.md#which-half-first)
     exchange_chunks: int = 1  # each MoE layer's dispatch and combine as this many exchanges (docs/overlap.md#chunked-exchanges)
+    lone_pairs: bool = False  # adjacent lone actions of one direction as relayed pairs (docs/overlap.md#lone-pairs)
 
 
 VARIANTS = (
@@ -90,6 +91,8 @@ VARIANTS = (
     Variant("DualPipe measured first", "DualPipe", overlap=True, pair_first="measured_first"),
     Variant("DualPipeV measured order", "DualPipeV", overlap=True, pair_first="measured"),
     Variant("DualPipe measured order", "DualPipe", overlap=True, pair_first="measured"),
+    Variant("DualPipeV lone pairs", "DualPipeV", overlap=True, lone_pairs=True),
+    Variant("DualPipe lone pairs", "DualPipe", overlap=True, lone_pairs=True),
     # each MoE layer's exchanges cut in two by groups of experts, pipelined with their experts
     Variant("DualPipeV chunks 2", "DualPipeV", overlap=True, exchange_chunks=2),
     Variant("DualPipe chunks 2", "DualPipe", overlap=True, exchange_chunks=2),
@@ -99,7 +102,7 @@ BY_LABEL = {v.label: v for v in VARIANTS}
 DEFAULT_LABELS = [v.label for v in VARIANTS
                   if not (v.count_hand_over or v.two_batch or v.weight_gradients or not v.count_groups
                           or v.weight_gemms_in_flight is not True or v.min_weight_gemm_flops is not None
-                          or v.pair_first != "forward" or v.exchange_chunks != 1)]
+                          or v.pair_first != "forward" or v.exchange_chunks != 1 or v.lone_pairs)]
 BLOCK_EXCHANGES = 4  # dispatch and combine, forward and backward
 COMPILED = " compiled"  # label suffix of a compiled variant
 COMPILE_OVERRIDES = ("--compile.enable", "--compile.components", "model,loss")  # same spelling in both releases
@@ -125,7 +128,7 @@ OPTIONS: dict[str, dict] = {
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
                              "'... shared count comm', '... two-batch', '... W at I', '... W inline', '... W fill', "
-                             "'... W all deferred', '... backward first', '... measured first', '... measured order' and '... chunks 2')"),
+                             "'... W all deferred', '... backward first', '... measured first', '... measured order', '... chunks 2' and '... lone pairs')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
@@ -215,7 +218,8 @@ class Launcher:
                FOLD_ENV: "1" if variant.fold_twins else "0", COUNT_HAND_OVER_ENV: "1" if variant.count_hand_over else "0",
                TWO_BATCH_ENV: "1" if variant.two_batch else "0", COUNT_GROUPS_ENV: "1" if variant.count_groups else "0",
                WEIGHT_GEMMS_IN_FLIGHT_ENV: _in_flight_env(variant.weight_gemms_in_flight),
-               PAIR_FIRST_ENV: variant.pair_first, EXCHANGE_CHUNKS_ENV: str(variant.exchange_chunks)}
+               PAIR_FIRST_ENV: variant.pair_first, EXCHANGE_CHUNKS_ENV: str(variant.exchange_chunks),
+               LONE_PAIRS_ENV: "1" if variant.lone_pairs else "0"}
         env.update({WEIGHT_GRADIENTS_ENV: variant.weight_gradients} if variant.weight_gradients else {})
         if variant.min_weight_gemm_flops is not None:
             env[MIN_FLOPS_ENV] = str(variant.min_weight_gemm_flops)

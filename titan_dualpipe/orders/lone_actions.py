@@ -25,4 +25,4 @@ def lone_forwards(actions: list[_Action | None]) -> set[tuple[int, int]]:
 def paired_backwards(actions: list[_Action | None]) -> set[tuple[int, int]]:
     """``(stage, microbatch)`` of every backward in one rank's order that runs in a pair."""
     return {(b.stage_index, b.microbatch_index) for a in actions
-            if a is not None and a.computation_type == OVERLAP_F_B for b in a.sub_actions[1:]}
+            if a is not None and a.computation_type == OVERLAP_F_B for b in a.sub_actions if b.computation_type != F}

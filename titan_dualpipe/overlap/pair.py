@@ -12,10 +12,10 @@ forward, then the backward, sends after both. See docs/overlap.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .._compat.autograd import module_forward_replaced
-from .._compat.pipelining import SEND_F, _Action, input_grads, stage_backward_replaced
+from .._compat.pipelining import SEND_F, B, F, I, _Action, input_grads, stage_backward_replaced
 from ..runtime.executor import StepExecutor
 from .comm import warn_once_if_exchange_traced
 from .protocol import overlap_implementation
@@ -24,6 +24,9 @@ from .relay import FORWARD, run_relayed
 
 
 def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Action) -> None:
+    if forward.computation_type != F or backward.computation_type not in (B, I):
+        run_lone_pair(executor, forward, backward)
+        return
     fwd_module = executor.stages[forward.stage_index].submod
     bwd_module = executor.stages[backward.stage_index].submod
     fused = overlap_implementation(fwd_module, bwd_module)
@@ -39,9 +42,8 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
         order = executor.view.pair_order
         first = FORWARD if order is None else order.first(forward, backward)
         plan = None if order is None else order.plan(forward, backward)
-        weights = () if executor.plan is None else (executor.plan.queue,)  # each half's forward/backward marks
         run_relayed(forward_half, lambda: executor.run_backward(backward), first,
-                    kind=PairFirst.kind(forward, backward), plan=plan, half_locals=weights)
+                    kind=PairFirst.kind(forward, backward), plan=plan, half_locals=_weight_marks(executor))
         warn_once_if_exchange_traced()
         return
 
@@ -75,6 +77,30 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
     error = failure[0]
     error.__context__ = None
     raise error
+
+
+def run_lone_pair(executor: StepExecutor, first: _Action, second: _Action) -> None:
+    """Two forwards, or two backwards, of a lone pair (:mod:`titan_dualpipe.orders.lone_pairs`) as
+    a relay, ``first`` starting; a forward posts its pipeline send as soon as it ends."""
+
+    def half(action: _Action) -> Callable[[], None]:
+        if action.computation_type != F:
+            return lambda: executor.run_backward(action)
+
+        def forward() -> None:
+            executor.run_forward(action)
+            executor.post_send_early(_Action(action.stage_index, SEND_F, action.microbatch_index))
+
+        return forward
+
+    run_relayed(half(first), half(second), FORWARD, half_locals=_weight_marks(executor))
+    warn_once_if_exchange_traced()
+
+
+def _weight_marks(executor: StepExecutor) -> tuple:
+    """What each half of a relay keeps as its own of the weight queue: whether forwards defer, which
+    backward collects (two forwards or two backwards each enter and leave theirs)."""
+    return () if executor.plan is None else (executor.plan.queue,)
 
 
 def _differentiable(stage_output: Any, output_grads: Any) -> tuple[list, list | None]:

@@ -154,9 +154,12 @@ class StepExecutor:
 
     def _perform(self, action: _Action) -> None:
         """``action`` by its custom function (``register_custom_function``, called as torch's runtime
-        does) or its handler. Forward only (eval): a pair runs its forward action alone."""
+        does) or its handler. Forward only (eval): a pair runs its forward actions alone."""
         if not self.training and action.computation_type == OVERLAP_F_B:
-            action = action.sub_actions[0]
+            for sub in action.sub_actions:
+                if sub.computation_type == F:
+                    self._perform(sub)
+            return
         custom = self.view.custom_functions.get(action.computation_type)
         if custom is not None:
             custom(action, _PipelineContext(self.view.torch_schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, None))
@@ -243,12 +246,15 @@ class StepExecutor:
         return lambda: self.view.sub_batch_runner.backward(self, action, run)
 
     def handle_pair(self, action: _Action) -> None:
-        """An overlapped pair: forward ``sub_actions[0]``, full backward ``sub_actions[1]``."""
-        forward, backward = action.sub_actions
+        """An overlapped pair: forward ``sub_actions[0]``, full backward ``sub_actions[1]``; or a
+        lone pair (:mod:`titan_dualpipe.orders.lone_pairs`): two forwards, or two backwards."""
+        first, second = action.sub_actions
         if not self.training:
-            self.handle_forward(forward)
+            for sub in (first, second):
+                if sub.computation_type == F:
+                    self.handle_forward(sub)
             return
-        self.timed(action, lambda: self.view.pair_runner(self, forward, backward))
+        self.timed(action, lambda: self.view.pair_runner(self, first, second))
 
     def run_forward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index

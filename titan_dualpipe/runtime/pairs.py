@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
-from .._compat.pipelining import _Action
+from .._compat.pipelining import F, _Action
 
 if TYPE_CHECKING:
     from .executor import StepExecutor
@@ -53,9 +53,28 @@ def pair_first_problem(value: Any, overlap: bool) -> str:
 
 
 def run_pair_sequentially(executor: "StepExecutor", forward: _Action, backward: _Action) -> None:
-    """The pair without overlap: the forward, then the backward."""
-    executor.run_forward(forward)
-    executor.run_backward(backward)
+    """The pair without overlap: the forward, then the backward (a lone pair: its first action,
+    then its second)."""
+    for action in (forward, backward):
+        run_action(executor, action)
+
+
+def run_action(executor: "StepExecutor", action: _Action) -> None:
+    """One sub-action of a pair: a forward, or a backward (``B`` or ``I``)."""
+    if action.computation_type == F:
+        executor.run_forward(action)
+    else:
+        executor.run_backward(action)
+
+
+def lone_pairs_problem(value: Any, two_batch_overlap: Any) -> str:
+    """Why ``lone_pairs`` cannot be used with this ``two_batch_overlap`` ("" when it can)."""
+    if not isinstance(value, bool):
+        return f"lone_pairs must be True or False, got {value!r}"
+    if value and two_batch_overlap is not False:
+        return (f"lone_pairs=True and two_batch_overlap={two_batch_overlap!r} both take the lone actions "
+                "(paired with each other, or split into sub-batches): pass one of them")
+    return ""
 
 
 def pair_runner(overlap: bool, overlapped: PairRunner | None) -> PairRunner:

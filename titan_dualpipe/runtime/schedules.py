@@ -35,6 +35,7 @@ from .._compat.pipelining import (
 )
 from .._compat.stage_init import agreed_inference_mode, initialize_stages, torch_start_up, warm_up_traced, with_start_up
 from ..orders import compute_order, placement
+from ..orders.lone_pairs import pair_lone_actions
 from ..orders.dataflow import peer_stage
 from ..orders.lone_actions import lone_forwards
 from ..orders.lowering import lower, validate_order
@@ -48,7 +49,7 @@ from .fsdp import unshard_all
 from .p2p import local_tensor, swap, with_layout_of
 from .sub_batch_runner import SubBatchRunner, has_exchanges, two_batch_stages
 from .two_batch_choice import MeasuredTwoBatch
-from .pairs import PairOrder, PairRunner, pair_first_problem, pair_runner
+from .pairs import PairOrder, PairRunner, lone_pairs_problem, pair_first_problem, pair_runner
 from .view import ScheduleView, StepOptions, TorchStepState
 from ..weights.in_flight import in_flight_mode_problem
 from ..weights.policy import WeightGradients, min_flops_option, weight_gradients_problem
@@ -134,6 +135,9 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       the default process group (every rank steps); ``"measured_first"``: the same, alternating from
       the half that exposes less. Only exchanges of known time (the CPU's emulated ones) measure,
       elsewhere the forward first (:mod:`titan_dualpipe.overlap.pair_first`).
+    - ``lone_pairs`` (default False): adjacent lone actions of one direction (two forwards, or two
+      backwards) where the first does not feed the second run as one relayed pair, kept where the
+      order still runs (:mod:`titan_dualpipe.orders.lone_pairs`); not with ``two_batch_overlap``.
     - ``record_timeline``: record each compute action's start and end in ``self.timeline``
       (this rank, last step); :meth:`collect_timeline` gathers all ranks.
 
@@ -173,6 +177,7 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         min_weight_gemm_flops: int | None = None,
         weight_gemms_in_flight: bool | str = True,
         pair_first: str = "forward",
+        lone_pairs: bool = False,
         record_timeline: bool = False,
     ) -> None:
         weight_gradients_problem(weight_gradients, not_deferred, min_weight_gemm_flops)
@@ -181,6 +186,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
             raise PipelineConfigError(in_flight_mode_problem(weight_gemms_in_flight))
         if pair_first_problem(pair_first, overlap):
             raise PipelineConfigError(pair_first_problem(pair_first, overlap))
+        if lone_pairs_problem(lone_pairs, two_batch_overlap):
+            raise PipelineConfigError(lone_pairs_problem(lone_pairs, two_batch_overlap))
         pp = stages[0].group_size if isinstance(stages, (list, tuple)) and stages else 1
         problem = runtime_options_problem(self.schedule_name, pp, max_active_stages, unshard_lookahead,
                                           defer_reduce_grad_wait, max_outstanding_sends)
@@ -206,7 +213,10 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
         self._choose_how_actions_run(overlap, split_stages, record_timeline, pair_first)
         self._choose_two_batch(two_batch_overlap, split_stages)
         self._choose_weight_gradients(weight_gradients, not_deferred, weight_gemms_in_flight, min_weight_gemm_flops)
+        self.lone_pairs = lone_pairs
         self.pipeline_order = compute_order(self.schedule_name, self.placement.pp_size, n_microbatches)
+        if lone_pairs:
+            self.pipeline_order = pair_lone_actions(self.pipeline_order, self.placement)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
     def _check_and_place(self, stages: list[_PipelineStageBase], n_microbatches: int, overlap: bool,

@@ -118,6 +118,7 @@ def lone_seconds(timeline: list[TimedAction], lone: set[Key]) -> dict[int, float
 
 def _changed_stages(action: _Action, lone: set[Key]) -> set[int]:
     if action.computation_type == OVERLAP_F_B:
-        return {b.stage_index for b in action.sub_actions[1:] if (b.stage_index, b.microbatch_index) in lone}
+        return {b.stage_index for b in action.sub_actions
+                if b.computation_type != F and (b.stage_index, b.microbatch_index) in lone}
     key = (action.stage_index, action.microbatch_index)
     return {action.stage_index} if action.computation_type in _LONE_KINDS and key in lone else set()

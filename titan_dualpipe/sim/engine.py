@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .._compat.pipelining import B, F, I, OVERLAP_F_B, W, _Action
 from ..orders.dataflow import input_source
 from ..orders.lowering import leaf_actions
+from ..orders.lone_pairs import is_lone_pair
 from .costs import Costs
 from .memory import peak_activation_bytes
 from .schedules import TORCH_SCHEDULES, Pipeline
@@ -90,8 +91,8 @@ class SimResult:
 def action_cost(action: _Action, costs: Costs) -> float:
     """Time of ``action`` run whole (not as two sub-batches)."""
     kind = action.computation_type
-    if kind == OVERLAP_F_B:
-        return costs.overlapped
+    if kind == OVERLAP_F_B:  # a lone pair costs its two actions: no exchanges are timed for it to hide
+        return sum(action_cost(sub, costs) for sub in action.sub_actions) if is_lone_pair(action) else costs.overlapped
     return {F: costs.F, B: costs.B, I: costs.I, W: costs.W}[kind]
 
 

@@ -19,8 +19,8 @@ import os
 import warnings
 from typing import Any, Callable
 
-from ..switches import (COUNT_GROUPS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, PAIR_FIRST_ENV, TWO_BATCH_ENV,
-                        WEIGHT_GEMMS_IN_FLIGHT_ENV, WEIGHT_GRADIENTS_ENV)
+from ..switches import (COUNT_GROUPS_ENV, LONE_PAIRS_ENV, NOT_DEFERRED_ENV, OLD_WEIGHTS_IN_FLIGHT_ENV, PAIR_FIRST_ENV,
+                        TWO_BATCH_ENV, WEIGHT_GEMMS_IN_FLIGHT_ENV, WEIGHT_GRADIENTS_ENV)
 from . import fold
 from .active import ACTIVE
 from .config_check import our_schedule
@@ -150,7 +150,8 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
     # scale_grads=False: torchtitan divides the summed loss by the global token count itself.
     schedule = schedule_class(name)(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False,
                                     overlap=ACTIVE.overlap, two_batch_overlap=two_batch_option(),
-                                    pair_first=pair_first_option(), **weight_gradient_options())
+                                    pair_first=pair_first_option(), lone_pairs=lone_pairs_option(),
+                                    **weight_gradient_options())
     # torchtitan's validator reads the losses only: no microbatch's logits outlive their loss
     schedule.eval = functools.partial(schedule.eval, return_outputs=False)
     ACTIVE.folded = bool(getattr(schedule, "fsdp_at_step_edges", False))
@@ -168,6 +169,7 @@ def build_schedule(name: str, par: Any, local_batch_size: int, stages: list, los
         f"Using titan_dualpipe {name} with {n} microbatches and {2 * par.pipeline_parallel_degree} stages"
         + (f" from {csv}" if csv else "") + ("" if ACTIVE.overlap else ", overlapped pairs run sequentially")
         + _twins_note(name, par) + _two_batch_note(schedule, par) + _pair_first_note(schedule)
+        + _lone_pairs_note(schedule)
         + _weight_gradients_note(schedule)
         + _count_communicators_note(count_twins) + _exchange_chunks_note()
     )
@@ -270,6 +272,19 @@ def pair_first_option() -> str:
         raise ValueError(f"{PAIR_FIRST_ENV}={value!r}: use one of {', '.join(PAIR_FIRST)} (which half of a relayed "
                          "pair runs first; forward is the default)")
     return value or ACTIVE.pair_first
+
+
+def lone_pairs_option() -> bool:
+    """Our schedules' ``lone_pairs``: ``TITAN_DUALPIPE_LONE_PAIRS=1`` (both releases)."""
+    value = os.environ.get(LONE_PAIRS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{LONE_PAIRS_ENV}={value!r}: use 1 (adjacent lone actions of one direction run as "
+                         "relayed pairs) or 0 (each alone, the default)")
+    return value == "1"
+
+
+def _lone_pairs_note(schedule: Any) -> str:
+    return "; adjacent lone actions run as relayed pairs" if getattr(schedule, "lone_pairs", False) else ""
 
 
 def _pair_first_note(schedule: Any) -> str:
