@@ -18,8 +18,8 @@ from cases.dist_pool import WorkerPool, ran as _ran
 
 WORLD = cases.WORLD  # the module's pool (tests/conftest.py)
 # the paths whose Ws run queued weight GEMMs, and those whose full backwards compute them in flight
-DEFERRING_PATHS = ("I+W", "relay", "relay_fill", "relay_backward_first", "protocol", "small_gemms")
-FLYING_PATHS = ("relay", "relay_backward_first", "protocol", "two_batch", "small_gemms")
+DEFERRING_PATHS = ("I+W", "relay", "relay_fill", "relay_backward_first", "relay_lone_pairs", "protocol", "small_gemms")
+FLYING_PATHS = ("relay", "relay_backward_first", "relay_lone_pairs", "protocol", "two_batch", "small_gemms")
 
 
 def _table(schedule: str) -> list[str]:

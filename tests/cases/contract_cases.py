@@ -442,6 +442,8 @@ PATHS: dict[str, tuple[dict, type, bool]] = {
     "relay_fill": ({"overlap": True, "weight_gemms_in_flight": "fill"}, ArrivingPart, True),
     # every relayed pair started with its backward half (docs/overlap.md#which-half-first)
     "relay_backward_first": ({"overlap": True, "pair_first": "backward"}, Part, True),
+    # adjacent lone actions of one direction relayed as pairs (docs/overlap.md#lone-pairs)
+    "relay_lone_pairs": ({"overlap": True, "lone_pairs": True}, Part, True),
     # the relay with the parts' first layer (2 x 6 tokens x 8 x 8 = 768 FLOPs) under the least FLOPs of
     # a deferred GEMM, its block's (1,536) over: at I and in flight, some GEMMs wait, some do not
     "small_gemms": ({"overlap": True, "min_weight_gemm_flops": SMALL_GEMM_FLOPS}, Part, True),
@@ -451,7 +453,8 @@ PATHS: dict[str, tuple[dict, type, bool]] = {
 TORCH_PATH = ({}, Part, False)  # torch's ScheduleDualPipeV
 # Under AC a relayed backward's recomputation lets its partner end first, and with no partner waiting
 # fillers compute what the relay path does: selective AC would repeat full's case
-PATH_AC_MODES = {"relay_fill": ("none", "full"), "relay_backward_first": ("none", "full")}
+PATH_AC_MODES = {"relay_fill": ("none", "full"), "relay_backward_first": ("none", "full"),
+                 "relay_lone_pairs": ("none", "full")}
 
 
 # -- one run --------------------------------------------------------------------------------------
