@@ -49,6 +49,7 @@ class HalfLocal(Protocol):
 
     def resume(self, state: Any) -> None: ...
 
+
 FORWARD, BACKWARD = 0, 1
 _HALF_NAMES = ("forward", "backward")
 
