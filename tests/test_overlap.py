@@ -395,6 +395,24 @@ def test_which_half_runs_first_changes_no_bit(pool, schedule, mode):
     assert all(r["savings"] for r in results), results  # the emulated exchanges gave every kind a figure
 
 
+@pytest.mark.parametrize("schedule,checkpoint", [("DualPipeV", False), ("DualPipe", True)])
+def test_lone_pairs_run_in_their_measured_order_and_change_no_bit(pool, schedule, checkpoint):
+    """``lone_pairs=True`` with "measured": a lone pair (two forwards, or two backwards) is a kind of
+    its own, decided like any other, the same on every rank; its relays follow their kind's first half
+    and plan, with the reference's losses and gradients and the same bits as the forward first (also
+    with every block checkpointed)."""
+    from titan_dualpipe.overlap.pair_first import FORWARD_BACKWARD
+
+    results = pool.run(cases.pair_first_numerics, schedule=schedule, n=4, mode="measured", latency_s=2e-3,
+                       checkpoint=checkpoint, lone_pairs=True)
+    assert all(r["bitwise_tensors"] > 0 and r["mismatched_relays"] == 0 for r in results), results
+    assert sum(r["losses_checked"] for r in results) > 0, results
+    assert all(r["lone_relays"] > 0 for r in results), results
+    chosen = [r["chosen"] for r in results]
+    assert chosen[0] is not None and all(c == chosen[0] for c in chosen), results
+    assert {kind[2] for kind, _, _ in chosen[0]} > {FORWARD_BACKWARD}, chosen[0]  # lone kinds decided too
+
+
 @pytest.mark.parametrize("schedule,checkpoint", [("DualPipeV", False), ("DualPipe", False), ("DualPipeV", True)])
 def test_a_plan_that_keeps_turns_changes_no_bit(pool, schedule, checkpoint):
     """"measured" with every kind's plan then made to keep each half's first turn (a half waits for

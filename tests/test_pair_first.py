@@ -12,14 +12,15 @@ from titan_dualpipe import ScheduleDualPipeV
 from titan_dualpipe.exposure.floor import Exchange, Segment, floor, hand_over_plan, relay_order
 from titan_dualpipe.exposure.record import PairTrace
 from titan_dualpipe.overlap.pair_first import (
-    _segment_sums, _shape_sums, agreed_lengths, kind_order, mean_halves, shapes_by_kind,
+    FORWARD_BACKWARD, TWO_BACKWARDS, TWO_FORWARDS, PairFirst, _segment_sums, _shape_sums, agreed_lengths,
+    kind_of_slot, kind_order, mean_halves, shapes_by_kind, slot_of_kind,
 )
 from titan_dualpipe.overlap.relay import BACKWARD, FORWARD
 from titan_dualpipe.runtime.errors import PipelineConfigError
 from titan_dualpipe.runtime.pairs import pair_first_problem
 
 
-def _pair(forward: list[Segment], backward: list[Segment], kind: tuple[int, int] | None,
+def _pair(forward: list[Segment], backward: list[Segment], kind: tuple[int, int, int] | None,
           offers: tuple[int, int] | None = None) -> PairTrace:
     if offers is None:  # a hand-over at every exchange of its half
         offers = tuple(sum(s.exchange is not None for s in half) for half in (forward, backward))
@@ -89,32 +90,46 @@ def _agreed(ranks: list[list[PairTrace]], num_stages: int = 4) -> dict:
     for k, n in enumerate(lengths):
         halves = None if n is None else mean_halves(sums[k], n)
         if halves is not None:
-            out[(k // num_stages, k % num_stages)] = (halves, kind_order(halves, offers=n[3:]))
+            out[kind_of_slot(k, num_stages)] = (halves, kind_order(halves, offers=n[3:]))
     return out
 
 
 def test_ranks_agree_on_each_kinds_mean_segments():
+    fb, lone = (0, 3, FORWARD_BACKWARD), (0, 3, TWO_BACKWARDS)  # the same stages, but one holds two backwards
     slow = [Segment(1.2, Exchange(1.0)), Segment(0.1)]
-    ranks = [[_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3)), _pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3)),
-              _pair(LONG_FORWARD, SHORT_BACKWARD, None), _pair(LONG_FORWARD, [], (1, 2))],
-             [_pair(slow, SHORT_BACKWARD, (0, 3))], [_pair(TWO_SHORT, ONE_LONG, (1, 2))]]
+    ranks = [[_pair(LONG_FORWARD, SHORT_BACKWARD, fb), _pair(LONG_FORWARD, SHORT_BACKWARD, fb),
+              _pair(LONG_FORWARD, SHORT_BACKWARD, None), _pair(LONG_FORWARD, [], (1, 2, FORWARD_BACKWARD))],
+             [_pair(slow, SHORT_BACKWARD, fb), _pair(SHORT_BACKWARD, LONG_FORWARD, lone)],
+             [_pair(TWO_SHORT, ONE_LONG, (1, 2, FORWARD_BACKWARD))]]
     agreed = _agreed(ranks)
-    assert set(agreed) == {(0, 3), (1, 2)}  # no kind from a pair without one, or with a half that never ran
-    halves, order = agreed[(0, 3)]
+    # no kind from a pair without one, or with a half that never ran
+    assert set(agreed) == {fb, lone, (1, 2, FORWARD_BACKWARD)}
+    halves, order = agreed[fb]
     # rank 0's pairs average to LONG_FORWARD, rank 1's is slower: the mean of the two ranks
     assert halves[0][0].compute == pytest.approx(1.1) and halves[0][0].exchange.seconds == pytest.approx(1.0)
     assert halves[1] == tuple(SHORT_BACKWARD) and order.first == BACKWARD
-    assert agreed[(1, 2)][1].plan == ((False, False), (True,))
+    assert tuple(agreed[lone][0]) == (tuple(SHORT_BACKWARD), tuple(LONG_FORWARD)) and agreed[lone][1].first == FORWARD
+    assert agreed[(1, 2, FORWARD_BACKWARD)][1].plan == ((False, False), (True,))
+
+
+def test_every_kind_has_its_own_row():
+    kinds = [(f, s, holds) for holds in (FORWARD_BACKWARD, TWO_FORWARDS, TWO_BACKWARDS)
+             for f in range(4) for s in range(4)]
+    assert sorted(slot_of_kind(k, 4) for k in kinds) == list(range(len(kinds)))
+    assert all(kind_of_slot(slot_of_kind(k, 4), 4) == k for k in kinds)
+
+
+FB = (0, 3, FORWARD_BACKWARD)
 
 
 def test_a_kind_whose_ranks_differ_in_shape_keeps_the_forward_first():
     longer = [Segment(0.5, Exchange(1.0)), *LONG_FORWARD]
     other_channel = [Segment(1.0, Exchange(1.0, channel="counts")), Segment(0.1)]
-    assert _agreed([[_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3))], [_pair(longer, SHORT_BACKWARD, (0, 3))]]) == {}
-    assert _agreed([[_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3))],
-                    [_pair(other_channel, SHORT_BACKWARD, (0, 3))]]) == {}
-    assert _agreed([[_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3))],
-                    [_pair(LONG_FORWARD, SHORT_BACKWARD, (0, 3), offers=(2, 1))]]) == {}
+    assert _agreed([[_pair(LONG_FORWARD, SHORT_BACKWARD, FB)], [_pair(longer, SHORT_BACKWARD, FB)]]) == {}
+    assert _agreed([[_pair(LONG_FORWARD, SHORT_BACKWARD, FB)],
+                    [_pair(other_channel, SHORT_BACKWARD, FB)]]) == {}
+    assert _agreed([[_pair(LONG_FORWARD, SHORT_BACKWARD, FB)],
+                    [_pair(LONG_FORWARD, SHORT_BACKWARD, FB, offers=(2, 1))]]) == {}
 
 
 def test_a_pair_without_exchanges_runs_as_it_would():
@@ -143,7 +158,6 @@ def test_the_schedule_refuses_a_bad_pair_first_before_any_collective():
 
 def test_fixed_modes_and_measured_before_it_decides():
     from titan_dualpipe._compat.pipelining import _Action, _ComputationType
-    from titan_dualpipe.overlap.pair_first import PairFirst
 
     forward = _Action(0, _ComputationType.FORWARD, 2)
     backward = _Action(3, _ComputationType.FULL_BACKWARD, 0)
@@ -154,7 +168,23 @@ def test_fixed_modes_and_measured_before_it_decides():
     with measured.step():  # the first step measures nothing: no recorder, no collective
         pass
     assert measured.first(forward, backward) == FORWARD and measured.savings is None
-    assert PairFirst.kind(forward, backward) == (0, 3)
+    assert PairFirst.kind(forward, backward) == (0, 3, FORWARD_BACKWARD)
+
+
+def test_a_lone_pair_is_its_own_kind_and_starts_with_its_first_action_unless_measured():
+    from titan_dualpipe._compat.pipelining import _Action, _ComputationType as C
+
+    forwards = (_Action(0, C.FORWARD, 3), _Action(3, C.FORWARD, 0))
+    backwards = (_Action(2, C.BACKWARD_INPUT, 1), _Action(1, C.FULL_BACKWARD, 0))
+    assert PairFirst.kind(*forwards) == (0, 3, TWO_FORWARDS)
+    assert PairFirst.kind(*backwards) == (2, 1, TWO_BACKWARDS)
+    cpu = torch.device("cpu")
+    assert PairFirst("backward", 4, cpu).first(*forwards) == FORWARD  # "backward" names a forward-backward pair's half
+    measured = PairFirst("measured", 4, cpu)
+    measured.orders = {(0, 3, TWO_FORWARDS): kind_order([SHORT_BACKWARD, LONG_FORWARD], offers=(1, 1)),
+                       (2, 1, TWO_BACKWARDS): kind_order([LONG_FORWARD, SHORT_BACKWARD], offers=(1, 1))}
+    assert measured.first(*forwards) == FORWARD and measured.first(*backwards) == BACKWARD
+    assert measured.plan(*backwards) == ((True,), (True,))
 
 
 def test_measured_records_its_second_step_once_and_a_failed_one_again(monkeypatch):

@@ -450,7 +450,7 @@ def _counting_hand_overs() -> Iterator[list]:
 
 
 def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0, steps: int = 3,
-                        keep_first_turns: bool = False, checkpoint: bool = False) -> dict:
+                        keep_first_turns: bool = False, checkpoint: bool = False, lone_pairs: bool = False) -> dict:
     """The relayed MoE pipeline with ``pair_first=mode`` and with the forward first: each the
     reference's losses and gradients, and each other's bit for bit, over ``steps`` steps with Adam
     between; ``latency_s``: every exchange takes that long (an emulated network: times known, as
@@ -458,18 +458,21 @@ def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0
     kept the turn, and under "measured" the order chosen per kind after the second step (its first
     half and plan, compared across ranks by the test). ``keep_first_turns``: each plan "measured"
     decides is then made to keep every half's turn at its first hand-over; ``checkpoint``: every
-    block under activation checkpointing, the reference's too."""
+    block under activation checkpointing, the reference's too; ``lone_pairs``: both runs pair their
+    lone actions (``lone_relays`` counts the relays of those pairs)."""
+    from titan_dualpipe.overlap.pair_first import FORWARD_BACKWARD
+
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
     runs = {first: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=False, module_cls=RelayedMoETransformer,
-                         pair_first=first) for first in (mode, "forward")}
+                         pair_first=first, lone_pairs=lone_pairs) for first in (mode, "forward")}
     reference = runs[mode][0]
     for _, _, _, comm in runs.values() if latency_s else ():
         comm.network = EmulatedNetwork(latency_s)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     opts = [torch.optim.Adam([p for mod in r[1].values() for p in mod.parameters()], lr=1e-2) for r in runs.values()]
     result: dict[str, Any] = {"grad_err": 0.0, "bitwise_tensors": 0, "losses_checked": 0, "first": [], "chosen": None,
-                              "mismatched_relays": 0, "kept_turns": []}
+                              "mismatched_relays": 0, "kept_turns": [], "lone_relays": 0}
     order = runs[mode][2].pair_order
     if keep_first_turns:
         decide = order._decide
@@ -496,8 +499,11 @@ def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0
                 result["kept_turns"].append(sum(not switch for r in relays for half in r.plan or () for switch in half))
                 for r in relays:
                     kind = chosen.get(r.kind)
-                    expected = (1, None) if mode == "backward" else (0, None) if kind is None else (kind.first, kind.plan)
+                    lone = r.kind[2] != FORWARD_BACKWARD
+                    expected = ((1, None) if mode == "backward" and not lone else (0, None) if kind is None
+                                else (kind.first, kind.plan))
                     result["mismatched_relays"] += (r.first, r.plan) != expected
+                    result["lone_relays"] += lone
         result["bitwise_tensors"] += _bitwise_equal(got, f"step {step}: pair_first={mode}")
         for opt in (*opts, ref_opt):
             opt.step()

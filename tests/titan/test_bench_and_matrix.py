@@ -167,6 +167,19 @@ def test_bench_titan_w_at_i_runs_each_backward_whole_at_input(tmp_path: Path, mo
     assert [env.get(WEIGHT_GRADIENTS_ENV) for env in seen] == [None, "whole", "whole"]
 
 
+def test_bench_titan_charges_a_lone_pairs_waits_to_it() -> None:
+    """A lone pair's waits (two forwards, or two backwards, relayed) are filed apart from a forward
+    with a backward's, which go to the half that waited."""
+    from titan_dualpipe._compat.pipelining import _Action, _ComputationType as C
+    from titan_dualpipe.orders.lone_pairs import lone_pair
+    from titan_dualpipe.titan.bench_probe import _action_kind
+
+    forward, backward = _Action(0, C.FORWARD, 1), _Action(3, C.FULL_BACKWARD, 0)
+    assert _action_kind(lone_pair(forward, _Action(0, C.FORWARD, 2))) == "lone pair"
+    assert _action_kind(_Action(-1, C.OVERLAP_F_B, None, (forward, backward))) == "pair"
+    assert _action_kind(forward) == "lone F" and _action_kind(backward) == "lone B"
+
+
 def test_matrix_covers_every_layout_and_flags_a_differing_rank() -> None:
     """The composability matrix (titan-dualpipe matrix): both schedules on every layout, DualPipe's
     twins folded and exchanged where FSDP can fold them; a cell fails on any rank's step off the

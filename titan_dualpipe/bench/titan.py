@@ -93,6 +93,8 @@ VARIANTS = (
     Variant("DualPipe measured order", "DualPipe", overlap=True, pair_first="measured"),
     Variant("DualPipeV lone pairs", "DualPipeV", overlap=True, lone_pairs=True),
     Variant("DualPipe lone pairs", "DualPipe", overlap=True, lone_pairs=True),
+    Variant("DualPipeV lone pairs measured order", "DualPipeV", overlap=True, lone_pairs=True, pair_first="measured"),
+    Variant("DualPipe lone pairs measured order", "DualPipe", overlap=True, lone_pairs=True, pair_first="measured"),
     # each MoE layer's exchanges cut in two by groups of experts, pipelined with their experts
     Variant("DualPipeV chunks 2", "DualPipeV", overlap=True, exchange_chunks=2),
     Variant("DualPipe chunks 2", "DualPipe", overlap=True, exchange_chunks=2),
@@ -128,7 +130,8 @@ OPTIONS: dict[str, dict] = {
     "--schedules": dict(default=",".join(DEFAULT_LABELS),
                         help="comma-separated, from: " + ", ".join(BY_LABEL) + " (default: all but '... counts handed over', "
                              "'... shared count comm', '... two-batch', '... W at I', '... W inline', '... W fill', "
-                             "'... W all deferred', '... backward first', '... measured first', '... measured order', '... chunks 2' and '... lone pairs')"),
+                             "'... W all deferred', '... backward first', '... measured first', '... measured order', '... chunks 2', "
+                             "'... lone pairs' and '... lone pairs measured order')"),
     "--compile": dict(action="store_true", default=False,
                       help="also run each schedule with the model and loss compiled (inductor), side by side"),
     "--module": dict(default=None, help="torchtitan 0.3.0: the module holding CONFIG (as for train)"),
@@ -382,8 +385,9 @@ def _floor_table(schedules: dict[str, dict[str, Any]], width: int) -> list[str]:
 
 # "pair F" / "pair B": a relayed pair's forward / backward half waited (for its own exchange, while
 # the partner half's segment ran); "pair": a pair whose module interleaves its halves itself, or
-# whose forward posted no exchange (its backward then runs after it, unpartnered)
-EXPOSED_KINDS = ("lone F", "lone B", "lone I", "W", "pair F", "pair B", "pair", "outside our actions")
+# whose forward posted no exchange (its backward then runs after it, unpartnered); "lone pair": two
+# forwards, or two backwards, relayed (lone_pairs=True)
+EXPOSED_KINDS = ("lone F", "lone B", "lone I", "W", "pair F", "pair B", "pair", "lone pair", "outside our actions")
 
 
 def _exposed_by_action_table(schedules: dict[str, dict[str, Any]], width: int) -> list[str]:

@@ -81,7 +81,8 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
 
 def run_lone_pair(executor: StepExecutor, first: _Action, second: _Action) -> None:
     """Two forwards, or two backwards, of a lone pair (:mod:`titan_dualpipe.orders.lone_pairs`) as
-    a relay, ``first`` starting; a forward posts its pipeline send as soon as it ends."""
+    a relay, ``first``'s half starting unless a measured ``pair_first`` says otherwise (its halves
+    are those of ``first`` and ``second``); a forward posts its pipeline send as soon as it ends."""
 
     def half(action: _Action) -> Callable[[], None]:
         if action.computation_type != F:
@@ -93,7 +94,11 @@ def run_lone_pair(executor: StepExecutor, first: _Action, second: _Action) -> No
 
         return forward
 
-    run_relayed(half(first), half(second), FORWARD, half_locals=_weight_marks(executor))
+    order = executor.view.pair_order
+    starts = FORWARD if order is None else order.first(first, second)
+    plan = None if order is None else order.plan(first, second)
+    run_relayed(half(first), half(second), starts, kind=PairFirst.kind(first, second), plan=plan,
+                half_locals=_weight_marks(executor))
     warn_once_if_exchange_traced()
 
 

@@ -4,8 +4,9 @@ A relay switches halves at every hand-over, so the half that runs first decides 
 partner's segments covers each exchange. Which covers more depends on the pair's stages: the
 forward of a stage that starts with a long segment (attention, the router) is best started second,
 its first segment covering the backward's first exchange. ``"forward"`` (the default) runs the
-forward first, ``"backward"`` the backward; ``"measured"`` decides per kind of pair (its
-forward's stage and its backward's) from the run itself:
+forward first, ``"backward"`` the backward; ``"measured"`` decides per kind of pair (what it holds,
+a forward with a backward or two lone actions of one direction, and their stages) from the run
+itself:
 
 - the second step (the first pays stage initialisation and first-call costs) records each relayed
   pair's segments, exchanges and hand-overs (:mod:`titan_dualpipe.exposure.record`, a benchmark's
@@ -24,6 +25,10 @@ forward's stage and its backward's) from the run itself:
 ``"measured_first"`` decides the same way but keeps every kind alternating, from the half whose
 start exposes less in the model: what ``"measured"`` chose before it planned hand-overs.
 
+A lone pair (:mod:`titan_dualpipe.orders.lone_pairs`: two forwards, or two backwards) runs its first
+action first under ``"forward"`` and ``"backward"``, which name the halves of a forward with a
+backward; the measured modes order its halves as they do any kind.
+
 Only exchanges whose time is known (an emulated network's) give an order; elsewhere every kind
 keeps the forward first. The segments are timed by the host's clock on the CPU and by CUDA events
 on the compute stream on a GPU (:class:`~titan_dualpipe.exposure.record.DeferredRecorder`, read
@@ -40,7 +45,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .._compat.pipelining import _Action
+from .._compat.pipelining import F, _Action
 from ..exposure.floor import (
     Exchange, Half, HandOverPlan, Segment, floor, hand_over_plan, normalized, relay_order, run_in_order,
 )
@@ -49,6 +54,10 @@ from .relay import BACKWARD, FORWARD
 
 MEASURED_STEP = 1  # which step "measured" records (counting from 0)
 _SEGMENT_FIELDS = 9  # per segment slot: has an exchange, switch, channel, their squares; compute, seconds, lead
+# what a relayed pair holds: a forward with a backward, two lone forwards, two lone backwards (B or I)
+FORWARD_BACKWARD, TWO_FORWARDS, TWO_BACKWARDS = 0, 1, 2
+_HOLDS = 3
+Kind = tuple[int, int, int]  # a relayed pair's first action's stage, its second's, and what it holds
 
 
 @dataclass(frozen=True)
@@ -70,18 +79,20 @@ class PairFirst:
         self._num_stages = num_stages
         self._device = device
         self._steps = 0
-        self.orders: dict[tuple[int, int], KindOrder] | None = None  # "measured", once decided: the same on all ranks
+        self.orders: dict[Kind, KindOrder] | None = None  # "measured", once decided: the same on all ranks
 
-    def first(self, forward: _Action, backward: _Action) -> int:
-        """:data:`~.relay.FORWARD` or :data:`~.relay.BACKWARD`: the half of this pair that runs first."""
-        if self.mode == "backward":
+    def first(self, first: _Action, second: _Action) -> int:
+        """:data:`~.relay.FORWARD` or :data:`~.relay.BACKWARD`: the half of this pair that runs first
+        (of a lone pair: its ``first`` action's half or its ``second``'s)."""
+        kind = self.kind(first, second)
+        if self.mode == "backward" and kind[2] == FORWARD_BACKWARD:
             return BACKWARD
-        chosen = (self.orders or {}).get(self.kind(forward, backward))
+        chosen = (self.orders or {}).get(kind)
         return FORWARD if chosen is None else chosen.first
 
-    def plan(self, forward: _Action, backward: _Action) -> HandOverPlan | None:
+    def plan(self, first: _Action, second: _Action) -> HandOverPlan | None:
         """Where this pair's halves switch (:func:`~titan_dualpipe.exposure.floor.hand_over_plan`); None: at every hand-over."""
-        chosen = (self.orders or {}).get(self.kind(forward, backward))
+        chosen = (self.orders or {}).get(self.kind(first, second))
         return None if chosen is None else chosen.plan
 
     @property
@@ -92,9 +103,12 @@ class PairFirst:
         return "serial" if self._device.type == "cuda" else "fifo"
 
     @staticmethod
-    def kind(forward: _Action, backward: _Action) -> tuple[int, int]:
-        """What a recorder files the pair under."""
-        return forward.stage_index, backward.stage_index
+    def kind(first: _Action, second: _Action) -> Kind:
+        """What a recorder files the pair of ``first`` and ``second`` under (a forward with a
+        backward, or a lone pair's two actions in their order)."""
+        forwards = (first.computation_type == F) + (second.computation_type == F)
+        holds = FORWARD_BACKWARD if forwards == 1 else TWO_FORWARDS if forwards == 2 else TWO_BACKWARDS
+        return first.stage_index, second.stage_index, holds
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -121,7 +135,6 @@ class PairFirst:
         self._decide(pairs)
 
     def _decide(self, pairs: list[PairTrace]) -> None:
-        kinds = self._num_stages * self._num_stages
         local = shapes_by_kind(pairs)
         counts = _shape_sums(local, self._num_stages).to(self._device)
         dist.all_reduce(counts)  # every rank steps: the default group reaches every communicator's ranks
@@ -133,24 +146,18 @@ class PairFirst:
         dist.all_reduce(sums)
         sums = sums.cpu()
         orders = {}
-        for k in range(kinds):
-            if lengths[k] is not None:
-                halves = mean_halves(sums[k], lengths[k])
+        for k, agreed in enumerate(lengths):
+            if agreed is not None:
+                halves = mean_halves(sums[k], agreed)
                 if halves is not None:
-                    kind = (k // self._num_stages, k % self._num_stages)
-                    orders[kind] = kind_order(halves, lengths[k][3:], planned=self.mode == "measured",
-                                              queue=self.queue)
+                    orders[kind_of_slot(k, self._num_stages)] = kind_order(
+                        halves, agreed[3:], planned=self.mode == "measured", queue=self.queue)
         self.orders = orders
 
     @property
-    def savings(self) -> dict[tuple[int, int], float] | None:
+    def savings(self) -> dict[Kind, float] | None:
         """"measured", once decided: per kind, the seconds its order saves a mean pair (the floor's model)."""
         return None if self.orders is None else {kind: o.saved for kind, o in self.orders.items()}
-
-    @property
-    def backward_first(self) -> frozenset[tuple[int, int]]:
-        """The kinds of pair (forward stage, backward stage) that "measured" runs backward first."""
-        return frozenset(kind for kind, o in (self.orders or {}).items() if o.first == BACKWARD)
 
 
 # -- a kind's shape, agreed across ranks ------------------------------------------------------
@@ -178,26 +185,39 @@ def shape_of(halves: Sequence[Half], offers: tuple[int, int]) -> Shape:
 Halves = tuple[tuple[Segment, ...], ...]  # a pair's halves, normalized
 
 
-def shapes_by_kind(pairs: list[PairTrace]) -> dict[tuple[int, int], tuple[Shape, list[Halves]]]:
+def slot_of_kind(kind: Kind, num_stages: int) -> int:
+    """A kind's row in the tables the ranks all-reduce."""
+    first, second, holds = kind
+    return (holds * num_stages + first) * num_stages + second
+
+
+def kind_of_slot(slot: int, num_stages: int) -> Kind:
+    rest, second = divmod(slot, num_stages)
+    holds, first = divmod(rest, num_stages)
+    return first, second, holds
+
+
+def shapes_by_kind(pairs: list[PairTrace]) -> dict[Kind, tuple[Shape, list[Halves]]]:
     """Per kind, its most common shape among ``pairs`` (ties: the least shape) and the pairs of it,
     normalized; pairs filed under no kind, with a half that never ran, or without offers count nowhere."""
-    grouped: dict[tuple[int, int], dict[Shape, list]] = {}
+    grouped: dict[Kind, dict[Shape, list]] = {}
     for pair in pairs:
         if pair.kind is None or pair.offers is None or not all(pair.halves):
             continue
         halves = tuple(normalized(h) for h in pair.halves)
         shape = shape_of(halves, (pair.offers[0], pair.offers[1]))
-        grouped.setdefault((pair.kind[0], pair.kind[1]), {}).setdefault(shape, []).append(halves)
+        first, second, holds = pair.kind
+        grouped.setdefault((first, second, holds), {}).setdefault(shape, []).append(halves)
     return {kind: min(by_shape.items(), key=lambda item: (-len(item[1]), item[0]))
             for kind, by_shape in grouped.items()}
 
 
 def _shape_sums(local: dict, num_stages: int) -> torch.Tensor:
     """Per kind: ranks holding it, and each of its four sizes (segments and offers per half) with its square."""
-    out = torch.zeros(num_stages * num_stages, 9, dtype=torch.float64)
-    for (f, b), (shape, _) in local.items():
+    out = torch.zeros(_HOLDS * num_stages * num_stages, 9, dtype=torch.float64)
+    for kind, (shape, _) in local.items():
         sizes = torch.tensor([len(shape[0]), len(shape[1]), *shape[2]], dtype=torch.float64)
-        out[f * num_stages + b] = torch.cat([torch.ones(1, dtype=torch.float64), sizes, sizes * sizes])
+        out[slot_of_kind(kind, num_stages)] = torch.cat([torch.ones(1, dtype=torch.float64), sizes, sizes * sizes])
     return out
 
 
@@ -229,9 +249,9 @@ def _slots(lengths: list[Lengths | None]) -> int:
 def _segment_sums(local: dict, lengths: list, num_stages: int) -> torch.Tensor:
     """Per kind whose lengths agree: per segment slot, this rank's shape marks with their squares,
     and its pairs' mean compute, exchange seconds and lead."""
-    out = torch.zeros(num_stages * num_stages, 2, _slots(lengths), _SEGMENT_FIELDS, dtype=torch.float64)
-    for (f, b), (shape, pairs) in local.items():
-        k = f * num_stages + b
+    out = torch.zeros(_HOLDS * num_stages * num_stages, 2, _slots(lengths), _SEGMENT_FIELDS, dtype=torch.float64)
+    for kind, (shape, pairs) in local.items():
+        k = slot_of_kind(kind, num_stages)
         if lengths[k] is None:
             continue
         for h in range(2):

@@ -31,10 +31,10 @@ class PairOrder(Protocol):
     """What the overlapped runner reads of the ``pair_first`` option (the schedules the package
     exports build one: :class:`titan_dualpipe.overlap.pair_first.PairFirst`)."""
 
-    def first(self, forward: _Action, backward: _Action) -> Any:
-        """The half of this pair that runs first."""
+    def first(self, first: _Action, second: _Action) -> Any:
+        """The half of this pair (a forward with a backward, or a lone pair's two actions) that runs first."""
 
-    def plan(self, forward: _Action, backward: _Action) -> Any:
+    def plan(self, first: _Action, second: _Action) -> Any:
         """Per half, whether it switches at each of its hand-overs in turn (None: at every one)."""
 
     def step(self) -> ContextManager[None]:

@@ -129,7 +129,8 @@ class _DualPipeFamily(_PipelineScheduleRuntime):
       times are known: the CPU's emulated exchanges). Same gradients.
     - ``pair_first`` (default ``"forward"``): which half of a relayed pair (a pair whose stage
       modules have no overlap protocol) runs first, and where it hands over: ``"forward"`` and
-      ``"backward"`` alternate from that half; ``"measured"``: per kind of pair (its two stages), the
+      ``"backward"`` alternate from that half; ``"measured"``: per kind of pair (its two stages and
+      whether it holds a forward with a backward or is a lone pair, below), the
       order the floor's model finds best for the second step's recorded segments (the half that
       starts, and at each hand-over whether the partner runs next), agreed by two all-reduces over
       the default process group (every rank steps); ``"measured_first"``: the same, alternating from

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..exposure.record import ExposureRecorder, StepTrace, pair_exposure, start_recording, step_exposure
+from ..orders.lone_pairs import is_lone_pair
 from ..overlap.relay import running_half
 from ..runtime.timeline import CpuClock, StepClock, clock_for, span_seconds
 from ..switches import BENCH_DIR_ENV, CALIBRATE_ENV, COUNT_HAND_OVER_ENV, EXCHANGE_S_ENV
@@ -87,6 +88,7 @@ STEP, EXPOSED = "step", "exposed"  # spans besides the phases: the whole train s
 ACTION_KINDS = {"FORWARD": "lone F", "FULL_BACKWARD": "lone B", "BACKWARD_INPUT": "lone I",
                 "BACKWARD_WEIGHT": "W", "OVERLAP_F_B": "pair"}
 PAIR = ACTION_KINDS["OVERLAP_F_B"]
+LONE_PAIR = "lone pair"  # an OVERLAP_F_B of two forwards or two backwards (titan_dualpipe.orders.lone_pairs)
 OUTSIDE = "outside our actions"  # torch's executor, or between our actions
 
 
@@ -127,6 +129,11 @@ def _time_exposed(stats: Any, clock: _PhaseClock) -> None:
     in (a relay's helper thread waits inside its pair): on a GPU the wait only makes the compute
     stream wait, so the exposed time is that stream's stall, not the host's time in the call."""
     stats.wait_until = clock.timed(lambda *_: f"{EXPOSED}:{_wait_kind(clock.action_kind)}", stats.wait_until)
+
+
+def _action_kind(action: Any) -> str | None:
+    """The ACTION_KINDS entry of one of our actions (a lone pair's own)."""
+    return LONE_PAIR if is_lone_pair(action) else ACTION_KINDS.get(action.computation_type.name)
 
 
 def _wait_kind(action_kind: str | None) -> str:
@@ -174,7 +181,7 @@ def _time_phases(trainer: Any, clock: _PhaseClock) -> None:
     perform = StepExecutor._perform
 
     def perform_noting_kind(self: Any, action: Any) -> None:
-        previous, clock.action_kind = clock.action_kind, ACTION_KINDS.get(action.computation_type.name)
+        previous, clock.action_kind = clock.action_kind, _action_kind(action)
         try:
             perform(self, action)
         finally:
