@@ -30,6 +30,7 @@ from titan_dualpipe.overlap import relay as relay_module
 from titan_dualpipe.overlap.comm import EmulatedNetwork, ExpertParallelComm
 from titan_dualpipe.cut import cut_layers
 from titan_dualpipe.overlap.moe import MoEArgs, MoETransformer, expert_parallel
+from titan_dualpipe.overlap.pair_first import FORWARD_BACKWARD
 from titan_dualpipe.testing.model import compile_blocks
 from titan_dualpipe.testing.model import lm_loss
 
@@ -176,7 +177,7 @@ def moe_numerics(schedule: str, n: int, checkpoint: bool = False, fsdp: bool = F
                 losses = _step(sched, modules, place, x, y)
             result["fused_pairs" if overlap else "fused_pairs_without_overlap"] += len(pairs)
             result["hand_overs" if overlap else "hand_overs_without_overlap"] += sum(r.hand_overs for r in relays)
-            result["lone_pair_hand_overs"] += sum(r.hand_overs for r in relays if r.kind is None) if overlap else 0
+            result["lone_pair_hand_overs"] += sum(r.hand_overs for r in relays if r.kind[2] != FORWARD_BACKWARD) if overlap else 0
             result["deferred_expert_gemms"] += sched.weight_policy.queue.ran_kinds["experts"]
             result["deferred_linear_gemms"] += sched.weight_policy.queue.ran_kinds["linear"]
             result["weight_gemms_in_flight"] += sched.weight_policy.queue.ran_in_flight if overlap else 0
@@ -460,8 +461,6 @@ def pair_first_numerics(schedule: str, n: int, mode: str, latency_s: float = 0.0
     decides is then made to keep every half's turn at its first hand-over; ``checkpoint``: every
     block under activation checkpointing, the reference's too; ``lone_pairs``: both runs pair their
     lone actions (``lone_relays`` counts the relays of those pairs)."""
-    from titan_dualpipe.overlap.pair_first import FORWARD_BACKWARD
-
     ep_index = topology().ep_index
     place = placement(schedule, PP, n)
     runs = {first: build(schedule, n, overlap=True, checkpoint=checkpoint, fsdp=False, module_cls=RelayedMoETransformer,
