@@ -218,7 +218,7 @@ def test_the_measured_pair_order_decides_on_this_device_and_changes_no_bit():
         runs.append(_two_steps(sched, modules, n, steps=3))
         scheds.append(sched)
     orders = scheds[0].pair_order.orders
-    assert orders and set(orders) == {(0, 1), (1, 0)}, orders  # DualPipeV's two kinds of pair on one rank
+    assert orders and set(orders) == {(0, 1, 0), (1, 0, 0)}, orders  # DualPipeV's two kinds of pair on one rank (F with B)
     # a plan for every hand-over: each recorded with its exchange's time (without, no plan fits)
     assert all(o.plan is not None and o.saved >= 0 for o in orders.values()), orders
     for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1], strict=True):
