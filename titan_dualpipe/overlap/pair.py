@@ -39,11 +39,7 @@ def run_pair_overlapped(executor: StepExecutor, forward: _Action, backward: _Act
             executor.run_forward(forward)
             executor.post_send_early(_Action(forward.stage_index, SEND_F, forward.microbatch_index))
 
-        order = executor.view.pair_order
-        first = FORWARD if order is None else order.first(forward, backward)
-        plan = None if order is None else order.plan(forward, backward)
-        run_relayed(forward_half, lambda: executor.run_backward(backward), first,
-                    kind=PairFirst.kind(forward, backward), plan=plan, half_locals=_weight_marks(executor))
+        run_relayed(forward_half, lambda: executor.run_backward(backward), **_relay_options(executor, forward, backward))
         warn_once_if_exchange_traced()
         return
 
@@ -94,12 +90,17 @@ def run_lone_pair(executor: StepExecutor, first: _Action, second: _Action) -> No
 
         return forward
 
-    order = executor.view.pair_order
-    starts = FORWARD if order is None else order.first(first, second)
-    plan = None if order is None else order.plan(first, second)
-    run_relayed(half(first), half(second), starts, kind=PairFirst.kind(first, second), plan=plan,
-                half_locals=_weight_marks(executor))
+    run_relayed(half(first), half(second), **_relay_options(executor, first, second))
     warn_once_if_exchange_traced()
+
+
+def _relay_options(executor: StepExecutor, first: _Action, second: _Action) -> dict[str, Any]:
+    """How the relay of ``first``'s and ``second``'s halves runs: the half that starts and its plan
+    (the schedule's ``pair_first``), its kind, and the state each half keeps."""
+    order = executor.view.pair_order
+    return {"first": FORWARD if order is None else order.first(first, second),
+            "plan": None if order is None else order.plan(first, second),
+            "kind": PairFirst.kind(first, second), "half_locals": _weight_marks(executor)}
 
 
 def _weight_marks(executor: StepExecutor) -> tuple:
