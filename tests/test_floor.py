@@ -177,7 +177,7 @@ def test_the_recorder_cuts_each_half_at_its_exchange_waits():
     rec.run(1)
     clock.at(3); rec.posted(1.0, channel="ep"); rec.switch()
     clock.at(3.5); rec.stop(1)
-    rec.run(0); rec.waited(3.5, 4.0)
+    rec.run(0); rec.waited(3.5, 4.0, late=0.125, overslept=0.125)  # its sleep woken 0.125 s late
     clock.at(5); rec.end(0)
     rec.run(1); rec.waited(5.0, 5.0)
     clock.at(7); rec.end(1)
@@ -191,10 +191,12 @@ def test_the_recorder_cuts_each_half_at_its_exchange_waits():
     assert step.lone == (Segment(8 - 7, Exchange(2.0, switch=False)),) and step.lone_waits == ((8.0, 10.0),)
     exposure = pair_exposure(pair)
     assert (exposure.measured, exposure.late, exposure.in_order, exposure.floor, exposure.serial) == (
-        0.5, 0.0, 0.5, 0.5, 4.0)
-    assert step_exposure(step) == {"measured": 2.5, "late": 0.25, "floor": 2.5, "serial": 6.0, "pairs_measured": 0.5,
-                                   "pairs_late": 0.0, "pairs_in_order": 0.5, "pairs_floor": 0.5, "pairs_serial": 4.0,
-                                   "lone_measured": 2.0, "lone_late": 0.25, "lone_floor": 2.0, "lone_serial": 2.0}
+        0.5, 0.125, 0.5, 0.5, 4.0)
+    assert step_exposure(step) == {"measured": 2.5, "late": 0.375, "overslept": 0.125, "floor": 2.5, "serial": 6.0,
+                                   "pairs_measured": 0.5, "pairs_late": 0.125, "pairs_overslept": 0.125,
+                                   "pairs_in_order": 0.5, "pairs_floor": 0.5, "pairs_serial": 4.0,
+                                   "lone_measured": 2.0, "lone_late": 0.25, "lone_overslept": 0.0, "lone_floor": 2.0,
+                                   "lone_serial": 2.0}
     assert StepTrace.from_json(step.to_json()) == step
     assert rec.take() == StepTrace()  # the next step starts empty
 
@@ -215,10 +217,10 @@ class _DeviceClock:
 
 def _relayed_pair_then_a_lone_exchange(rec, clock: _Clock) -> None:
     """The events of the test above, the waits timed by the recorder's own marks."""
-    def waited_until(end: float, late: float = 0.0) -> None:
+    def waited_until(end: float, late: float = 0.0, overslept: float = 0.0) -> None:
         start = rec.now()
         clock.at(end)
-        rec.waited(start, rec.now(), late)
+        rec.waited(start, rec.now(), late, overslept)
 
     assert rec.open_pair(kind=(0, 1)) and not rec.open_pair()
     rec.run(0)
@@ -226,7 +228,7 @@ def _relayed_pair_then_a_lone_exchange(rec, clock: _Clock) -> None:
     rec.run(1)
     clock.at(3); rec.posted(1.0, channel="ep"); rec.switch()
     clock.at(3.5); rec.stop(1)
-    rec.run(0); waited_until(4.0)
+    rec.run(0); waited_until(4.0, late=0.125, overslept=0.125)
     clock.at(5); rec.end(0)
     rec.run(1); waited_until(5.0)
     clock.at(7); rec.end(1)
@@ -271,6 +273,29 @@ def test_start_recording_takes_a_gpus_clock_on_a_gpu_only():
             assert type(start_recording(device=torch.device("cuda", 0))) is DeferredRecorder
     finally:
         stop_recording()
+
+
+def test_a_waits_lateness_is_filed_under_the_collective_or_the_sleep():
+    """The emulated network's wait: a collective that returns after the exchange's arrival is late
+    by its own overrun (a peer posting late), none of it overslept; one that returns in time
+    leaves the rest to a sleep, whose overrun is all of the lateness."""
+    from titan_dualpipe.overlap.comm import CommStats
+
+    stats = CommStats()
+    try:
+        rec = start_recording()
+        arrival = time.perf_counter() + 0.005
+        stats.wait_until(arrival, lambda: time.sleep(0.03))  # the collective 25 ms past the arrival
+        peer = rec.take()
+        arrival = time.perf_counter() + 0.02
+        stats.wait_until(arrival, lambda: None)  # in time: sleeps 20 ms
+        slept = rec.take()
+    finally:
+        stop_recording()
+    assert peer.lone_late >= 0.024 and peer.lone_overslept == 0.0
+    (start, end), = slept.lone_waits
+    assert end - start >= 0.0199 and slept.lone_late == slept.lone_overslept == pytest.approx(end - arrival, abs=1e-9)
+    assert slept.lone_late < 0.02  # not the whole sleep
 
 
 def test_the_recorder_reads_a_count_exchange_as_read_at_once():
@@ -367,8 +392,8 @@ def test_bench_titan_sets_each_runs_exposure_next_to_its_floor_and_1f1bs():
     assert summary["measured"] == 15.0 and summary["floor"] == 12.0 and summary["pairs_in_order"] == 8.0
     table = bench._floor_table({"1F1B": {"exposed_comm": 14.0, "exposure": {**summary, "measured": 14.0}},
                                 "DualPipeV": {"exposed_comm": 15.0, "exposure": summary}}, 22)
-    assert table[2].split()[:6] == ["schedule", "measured", "late", "floor", "1F1B", "all"]
-    assert table[4].split()[:8] == ["DualPipeV", "15000", "0", "12000", "14000", "14000", "0.86", "1.07"]
+    assert table[2].split()[:7] == ["schedule", "measured", "late", "slept", "floor", "1F1B", "all"]
+    assert table[4].split()[:9] == ["DualPipeV", "15000", "0", "0", "12000", "14000", "14000", "0.86", "1.07"]
     assert bench._floor_table({"1F1B": {"exposed_comm": 1.0}}, 22) == []  # no floor recorded (GPU runs)
 
 
@@ -435,5 +460,5 @@ def test_bench_overlap_reports_each_runs_floor(world_of_one):
     # the measured two-batch runs decided in their warm-up; one EP rank has no exchanges: nothing to split
     assert raw["two_batch_savings"] == {name: {} for name in bench.TWO_BATCH_MEASURED}
     assert raw["two_batch_chosen"] == {name: [] for name in bench.TWO_BATCH_MEASURED}
-    assert bench.exposure_table(exposure).splitlines()[1].split()[:5] == ["schedule", "measured", "late", "floor",
-                                                                         "1F1B"]
+    assert bench.exposure_table(exposure).splitlines()[1].split()[:6] == ["schedule", "measured", "late", "slept",
+                                                                         "floor", "1F1B"]

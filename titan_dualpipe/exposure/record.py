@@ -34,6 +34,7 @@ class HalfTrace:
         self._counter = counter if counter is not None else itertools.count()
         self.waits: list[tuple[float, float]] = []  # measured: blocked waiting for exchanges
         self.late = 0.0  # of those waits, past the exchanges' own (emulated) arrival
+        self.overslept = 0.0  # of that, in a sleep that began in time (the emulator woken late)
         self._compute = 0.0  # of the open segment, up to _since
         self._since: float | None = None  # computing since (None: stopped or blocked)
         self._begun: int | None = None  # when the open segment began
@@ -64,9 +65,10 @@ class HalfTrace:
         if self._pending is not None:
             self._pending[3] = True
 
-    def waited(self, start: float, end: float, late: float = 0.0) -> None:
+    def waited(self, start: float, end: float, late: float = 0.0, overslept: float = 0.0) -> None:
         self.waits.append((start, end))
         self.late += late
+        self.overslept += overslept
         if self._pending is None:  # a wait for nothing posted here: off the compute, no segment cut
             self.stop(start)
             self._since = end
@@ -98,7 +100,8 @@ class PairTrace:
     """One pair (or two-batch halves) as it ran: each half's segments, the order they ran in
     (the half of each segment), the measured waits of each half, and when the pair ran;
     ``late``: seconds of the waits past the exchanges' own arrival (a peer posting late, a sleep
-    woken late), which the floor's model does not see; ``kind``: what the runtime filed it under
+    woken late), which the floor's model does not see, ``overslept`` the part of it in sleeps woken
+    late; ``kind``: what the runtime filed it under
     (a relayed pair's stages), None where it filed it under nothing; ``offers``: each half's
     hand-overs (whether or not the partner ran), which a relay's plan counts (None: not recorded)."""
 
@@ -110,6 +113,7 @@ class PairTrace:
     late: float = 0.0
     kind: tuple[int, ...] | None = None
     offers: tuple[int, ...] | None = None
+    overslept: float = 0.0
 
     @property
     def waited_s(self) -> float:
@@ -119,14 +123,14 @@ class PairTrace:
         return {"halves": [[_segment_json(s) for s in half] for half in self.halves], "order": list(self.order),
                 "waits": [[list(w) for w in half] for half in self.waits], "start": self.start, "end": self.end,
                 "late": self.late, "kind": None if self.kind is None else list(self.kind),
-                "offers": None if self.offers is None else list(self.offers)}
+                "offers": None if self.offers is None else list(self.offers), "overslept": self.overslept}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PairTrace:
         return cls(tuple(tuple(_segment_from(s) for s in half) for half in data["halves"]), tuple(data["order"]),
                    tuple(tuple((a, b) for a, b in half) for half in data["waits"]), data["start"], data["end"],
                    data["late"], None if data.get("kind") is None else tuple(data["kind"]),
-                   None if data.get("offers") is None else tuple(data["offers"]))
+                   None if data.get("offers") is None else tuple(data["offers"]), data.get("overslept", 0.0))
 
 
 @dataclass
@@ -137,15 +141,17 @@ class StepTrace:
     lone: tuple[Segment, ...] = ()
     lone_waits: tuple[tuple[float, float], ...] = ()
     lone_late: float = 0.0
+    lone_overslept: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"pairs": [p.to_json() for p in self.pairs], "lone": [_segment_json(s) for s in self.lone],
-                "lone_waits": [list(w) for w in self.lone_waits], "lone_late": self.lone_late}
+                "lone_waits": [list(w) for w in self.lone_waits], "lone_late": self.lone_late,
+                "lone_overslept": self.lone_overslept}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepTrace:
         return cls([PairTrace.from_json(p) for p in data["pairs"]], tuple(_segment_from(s) for s in data["lone"]),
-                   tuple((a, b) for a, b in data["lone_waits"]), data["lone_late"])
+                   tuple((a, b) for a, b in data["lone_waits"]), data["lone_late"], data.get("lone_overslept", 0.0))
 
 
 def _segment_json(segment: Segment) -> list:
@@ -213,7 +219,8 @@ class ExposureRecorder:
         ran = sorted((begun, h) for h, half in enumerate(halves) for begun in half.begun)
         self._pairs.append(PairTrace(tuple(tuple(h.segments) for h in halves), tuple(h for _, h in ran),
                                      tuple(tuple(h.waits) for h in halves), self._pair_start, now,
-                                     sum(h.late for h in halves), self._kind, tuple(h.offers for h in halves)))
+                                     sum(h.late for h in halves), self._kind, tuple(h.offers for h in halves),
+                                     sum(h.overslept for h in halves)))
         self._pair, self._current = None, self._lone
         self._lone.run(now)
 
@@ -224,10 +231,11 @@ class ExposureRecorder:
     def switch(self) -> None:
         self._current.switch()
 
-    def waited(self, start: float, end: float, late: float = 0.0) -> None:
+    def waited(self, start: float, end: float, late: float = 0.0, overslept: float = 0.0) -> None:
         """A wait for an exchange from ``start`` to ``end`` (marks of :attr:`now`); ``late``: seconds
-        of it past the exchange's own arrival (the emulated time), which the floor does not model."""
-        self._current.waited(start, end, late)
+        of it past the exchange's own arrival (the emulated time), which the floor does not model;
+        ``overslept``: of those, the seconds a sleep that began in time ran past it."""
+        self._current.waited(start, end, late, overslept)
 
     def closed_pairs(self) -> int:
         """How many pairs closed since the last :meth:`take`: a mark for :meth:`pairs_since`."""
@@ -241,7 +249,7 @@ class ExposureRecorder:
         """The step recorded since the last call (its pairs closed by now); the next starts."""
         lone = self._lone
         exchanges = tuple(s for s in lone.segments if s.exchange is not None)
-        step = StepTrace(self._pairs, exchanges, tuple(lone.waits), lone.late)
+        step = StepTrace(self._pairs, exchanges, tuple(lone.waits), lone.late, lone.overslept)
         self._pairs = []
         fresh = HalfTrace()
         if self._pair is None:
@@ -315,8 +323,8 @@ class DeferredRecorder:
     def switch(self) -> None:
         self._log.append(("switch", (), ()))
 
-    def waited(self, start: Any, end: Any, late: float = 0.0) -> None:
-        self._log.append(("waited", (late,), (start, end)))
+    def waited(self, start: Any, end: Any, late: float = 0.0, overslept: float = 0.0) -> None:
+        self._log.append(("waited", (late, overslept), (start, end)))
 
     def closed_pairs(self) -> int:
         self._replay()
@@ -395,19 +403,22 @@ def pair_exposure(pair: PairTrace, queue: str = "fifo") -> PairExposure:
                         floor(halves, queue).exposure if halves else 0.0, serial_exposure(halves))
 
 
-STEP_KEYS = ("measured", "late", "floor", "serial", "pairs_measured", "pairs_late", "pairs_in_order", "pairs_floor",
-             "pairs_serial", "lone_measured", "lone_late", "lone_floor", "lone_serial")
+STEP_KEYS = ("measured", "late", "overslept", "floor", "serial", "pairs_measured", "pairs_late", "pairs_overslept",
+             "pairs_in_order", "pairs_floor", "pairs_serial", "lone_measured", "lone_late", "lone_overslept",
+             "lone_floor", "lone_serial")
 
 
 def step_exposure(step: StepTrace, queue: str = "fifo") -> dict[str, float]:
     """One step's exposure, seconds (:data:`STEP_KEYS`): in pairs (:class:`PairExposure` summed),
-    in lone halves (measured, late; floor: every exchange but its lead; serial) and in all."""
+    in lone halves (measured, late, overslept; floor: every exchange but its lead; serial) and in all."""
     pairs = [pair_exposure(p, queue) for p in step.pairs]
     out = {"pairs_measured": sum(p.measured for p in pairs), "pairs_late": sum(p.late for p in pairs),
+           "pairs_overslept": sum(p.overslept for p in step.pairs),
            "pairs_in_order": sum(p.in_order for p in pairs), "pairs_floor": sum(p.floor for p in pairs),
            "pairs_serial": sum(p.serial for p in pairs),
            "lone_measured": sum(end - start for start, end in step.lone_waits), "lone_late": step.lone_late,
+           "lone_overslept": step.lone_overslept,
            "lone_floor": lone_exposure(step.lone), "lone_serial": serial_exposure([step.lone])}
-    for key in ("measured", "late", "floor", "serial"):
+    for key in ("measured", "late", "overslept", "floor", "serial"):
         out[key] = out[f"pairs_{key}"] + out[f"lone_{key}"]
     return {key: out[key] for key in STEP_KEYS}

@@ -94,9 +94,11 @@ class CommStats:
             time.sleep(remaining)
         end = time.perf_counter()
         self.waited_s += end - start
-        if record is not None:  # late: past the emulated arrival (a peer posting late, a sleep woken late)
+        if record is not None:  # late: past the emulated arrival, either in the collective's own wait
+            # (a peer posting late) or, once it came in time, in the sleep (woken late: overslept)
             span = (marked, record.now()) if device_marks else (start, end)
-            record.waited(*span, late=max(0.0, end - max(ready_at, start)))
+            record.waited(*span, late=max(0.0, end - max(ready_at, start)),
+                          overslept=max(0.0, end - ready_at) if remaining > 0 else 0.0)
         return result
 
     def collect(self) -> float:
