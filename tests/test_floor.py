@@ -182,7 +182,7 @@ def test_the_recorder_cuts_each_half_at_its_exchange_waits():
     rec.run(1); rec.waited(5.0, 5.0)
     clock.at(7); rec.end(1)
     rec.close_pair()
-    clock.at(8); rec.posted(2.0); rec.waited(8.0, 10.0, late=0.25)  # a peer 0.25 s late
+    clock.at(8); rec.posted(2.0); rec.waited(8.0, 10.0, late=0.25, count_late=0.25)  # a peer's counts 0.25 s late
     step = rec.take()
     (pair,) = step.pairs
     assert pair.halves == ((Segment(1, Exchange(3.0)), Segment(1)),
@@ -192,10 +192,11 @@ def test_the_recorder_cuts_each_half_at_its_exchange_waits():
     exposure = pair_exposure(pair)
     assert (exposure.measured, exposure.late, exposure.in_order, exposure.floor, exposure.serial) == (
         0.5, 0.125, 0.5, 0.5, 4.0)
-    assert step_exposure(step) == {"measured": 2.5, "late": 0.375, "overslept": 0.125, "floor": 2.5, "serial": 6.0,
-                                   "pairs_measured": 0.5, "pairs_late": 0.125, "pairs_overslept": 0.125,
-                                   "pairs_in_order": 0.5, "pairs_floor": 0.5, "pairs_serial": 4.0,
-                                   "lone_measured": 2.0, "lone_late": 0.25, "lone_overslept": 0.0, "lone_floor": 2.0,
+    assert step_exposure(step) == {"measured": 2.5, "late": 0.375, "overslept": 0.125, "count_late": 0.25,
+                                   "floor": 2.5, "serial": 6.0, "pairs_measured": 0.5, "pairs_late": 0.125,
+                                   "pairs_overslept": 0.125, "pairs_count_late": 0.0, "pairs_in_order": 0.5,
+                                   "pairs_floor": 0.5, "pairs_serial": 4.0, "lone_measured": 2.0, "lone_late": 0.25,
+                                   "lone_overslept": 0.0, "lone_count_late": 0.25, "lone_floor": 2.0,
                                    "lone_serial": 2.0}
     assert StepTrace.from_json(step.to_json()) == step
     assert rec.take() == StepTrace()  # the next step starts empty
@@ -217,10 +218,10 @@ class _DeviceClock:
 
 def _relayed_pair_then_a_lone_exchange(rec, clock: _Clock) -> None:
     """The events of the test above, the waits timed by the recorder's own marks."""
-    def waited_until(end: float, late: float = 0.0, overslept: float = 0.0) -> None:
+    def waited_until(end: float, late: float = 0.0, overslept: float = 0.0, count_late: float = 0.0) -> None:
         start = rec.now()
         clock.at(end)
-        rec.waited(start, rec.now(), late, overslept)
+        rec.waited(start, rec.now(), late, overslept, count_late)
 
     assert rec.open_pair(kind=(0, 1)) and not rec.open_pair()
     rec.run(0)
@@ -233,7 +234,7 @@ def _relayed_pair_then_a_lone_exchange(rec, clock: _Clock) -> None:
     rec.run(1); waited_until(5.0)
     clock.at(7); rec.end(1)
     rec.close_pair()
-    clock.at(8); rec.posted(2.0); waited_until(10.0, late=0.25)
+    clock.at(8); rec.posted(2.0); waited_until(10.0, late=0.25, count_late=0.25)
 
 
 def test_a_deferred_recorder_replays_its_marks_into_the_same_trace():
@@ -277,25 +278,32 @@ def test_start_recording_takes_a_gpus_clock_on_a_gpu_only():
 
 def test_a_waits_lateness_is_filed_under_the_collective_or_the_sleep():
     """The emulated network's wait: a collective that returns after the exchange's arrival is late
-    by its own overrun (a peer posting late), none of it overslept; one that returns in time
-    leaves the rest to a sleep, whose overrun is all of the lateness."""
+    by its own overrun (a peer posting late), none of it overslept, and filed apart for a count
+    read; one that returns in time leaves the rest to a sleep, whose overrun is all of the
+    lateness, a count read's too."""
     from titan_dualpipe.overlap.comm import CommStats
 
     stats = CommStats()
+    steps = {}
     try:
         rec = start_recording()
-        arrival = time.perf_counter() + 0.005
-        stats.wait_until(arrival, lambda: time.sleep(0.03))  # the collective 25 ms past the arrival
-        peer = rec.take()
-        arrival = time.perf_counter() + 0.02
-        stats.wait_until(arrival, lambda: None)  # in time: sleeps 20 ms
-        slept = rec.take()
+        for name, count in (("peer", False), ("count", True)):
+            stats.wait_until(time.perf_counter() + 0.005, lambda: time.sleep(0.03), count=count)  # 25 ms past
+            steps[name] = rec.take()
+        for name, count in (("slept", False), ("count slept", True)):
+            arrival = time.perf_counter() + 0.02
+            stats.wait_until(arrival, lambda: None, count=count)  # in time: sleeps 20 ms
+            steps[name] = step = rec.take()
+            (start, end), = step.lone_waits
+            assert end - start >= 0.0199 and step.lone_late == pytest.approx(end - arrival, abs=1e-9), name
     finally:
         stop_recording()
-    assert peer.lone_late >= 0.024 and peer.lone_overslept == 0.0
-    (start, end), = slept.lone_waits
-    assert end - start >= 0.0199 and slept.lone_late == slept.lone_overslept == pytest.approx(end - arrival, abs=1e-9)
-    assert slept.lone_late < 0.02  # not the whole sleep
+    for name in ("peer", "count"):
+        assert steps[name].lone_late >= 0.024 and steps[name].lone_overslept == 0.0, name
+    assert steps["count"].lone_count_late == steps["count"].lone_late and steps["peer"].lone_count_late == 0.0
+    for name in ("slept", "count slept"):
+        step = steps[name]
+        assert step.lone_late == step.lone_overslept < 0.02 and step.lone_count_late == 0.0, name
 
 
 def test_the_recorder_reads_a_count_exchange_as_read_at_once():
@@ -392,8 +400,8 @@ def test_bench_titan_sets_each_runs_exposure_next_to_its_floor_and_1f1bs():
     assert summary["measured"] == 15.0 and summary["floor"] == 12.0 and summary["pairs_in_order"] == 8.0
     table = bench._floor_table({"1F1B": {"exposed_comm": 14.0, "exposure": {**summary, "measured": 14.0}},
                                 "DualPipeV": {"exposed_comm": 15.0, "exposure": summary}}, 22)
-    assert table[2].split()[:7] == ["schedule", "measured", "late", "slept", "floor", "1F1B", "all"]
-    assert table[4].split()[:9] == ["DualPipeV", "15000", "0", "0", "12000", "14000", "14000", "0.86", "1.07"]
+    assert table[2].split()[:8] == ["schedule", "measured", "late", "slept", "counts", "floor", "1F1B", "all"]
+    assert table[4].split()[:10] == ["DualPipeV", "15000", "0", "0", "0", "12000", "14000", "14000", "0.86", "1.07"]
     assert bench._floor_table({"1F1B": {"exposed_comm": 1.0}}, 22) == []  # no floor recorded (GPU runs)
 
 
@@ -460,5 +468,5 @@ def test_bench_overlap_reports_each_runs_floor(world_of_one):
     # the measured two-batch runs decided in their warm-up; one EP rank has no exchanges: nothing to split
     assert raw["two_batch_savings"] == {name: {} for name in bench.TWO_BATCH_MEASURED}
     assert raw["two_batch_chosen"] == {name: [] for name in bench.TWO_BATCH_MEASURED}
-    assert bench.exposure_table(exposure).splitlines()[1].split()[:6] == ["schedule", "measured", "late", "slept",
-                                                                         "floor", "1F1B"]
+    assert bench.exposure_table(exposure).splitlines()[1].split()[:7] == ["schedule", "measured", "late", "slept",
+                                                                         "counts", "floor", "1F1B"]

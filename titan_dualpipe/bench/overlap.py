@@ -565,15 +565,17 @@ def exposure_table(exposure: dict[str, dict[str, float]]) -> str:
     width = max(26, *(len(name) + 2 for name in exposure))
     lines = [
         "exposed all-to-all, s/step, mean over ranks: measured (blocked in waits); late (of it, past the emulated "
-        "time: a peer posting late, a sleep woken late; slept: the sleeps' part); floor (each pair's halves in the order that exposes least, from the run's own "
-        "segment and exchange times; lone halves: every exchange but what their own compute covers); 1F1B (every "
-        "exchange exposed); in order: the pairs' measured segments in the order they ran",
-        f"{'schedule':<{width}}{'measured':>9}{'late':>8}{'slept':>8}{'floor':>8}{'1F1B':>8}{'floor/1F1B':>11}{'meas/1F1B':>10}"
-        f"{'pairs: meas':>12}{'late':>8}{'in order':>9}{'floor':>8}{'1F1B':>8}{'lone: meas':>11}{'late':>8}"
-        f"{'floor':>8}"]
+        "time: a peer posting late, a sleep woken late; slept: the sleeps' part; counts: token-count reads'); "
+        "floor (each pair's halves in the order that exposes least, from the run's own segment and exchange times; "
+        "lone halves: every exchange but what their own compute covers); 1F1B (every exchange exposed); in order: "
+        "the pairs' measured segments in the order they ran",
+        f"{'schedule':<{width}}{'measured':>9}{'late':>8}{'slept':>8}{'counts':>8}{'floor':>8}{'1F1B':>8}"
+        f"{'floor/1F1B':>11}{'meas/1F1B':>10}{'pairs: meas':>12}{'late':>8}{'in order':>9}{'floor':>8}{'1F1B':>8}"
+        f"{'lone: meas':>11}{'late':>8}{'floor':>8}"]
     for name, e in exposure.items():
         share = (lambda v: f"{v / e['serial']:.2f}") if e["serial"] else (lambda v: "-")
-        lines.append(f"{name:<{width}}{e['measured']:>9.4f}{e['late']:>8.4f}{e['overslept']:>8.4f}{e['floor']:>8.4f}{e['serial']:>8.4f}"
+        lines.append(f"{name:<{width}}{e['measured']:>9.4f}{e['late']:>8.4f}{e['overslept']:>8.4f}"
+                     f"{e['count_late']:>8.4f}{e['floor']:>8.4f}{e['serial']:>8.4f}"
                      f"{share(e['floor']):>11}{share(e['measured']):>10}{e['pairs_measured']:>12.4f}"
                      f"{e['pairs_late']:>8.4f}{e['pairs_in_order']:>9.4f}{e['pairs_floor']:>8.4f}"
                      f"{e['pairs_serial']:>8.4f}{e['lone_measured']:>11.4f}{e['lone_late']:>8.4f}"

@@ -365,18 +365,19 @@ def _floor_table(schedules: dict[str, dict[str, Any]], width: int) -> list[str]:
         return []
     one_f_one_b = schedules.get("1F1B", {}).get("exposed_comm")
     lines = ["", "exposed all-to-all against its floor, ms per step, mean over ranks: measured (blocked in waits; "
-             "late: of it, past the emulated time; slept: of that, in sleeps woken late, the rest in the collective, "
-             "a peer posting late); floor (each pair's halves in the order that exposes least, from the run's own segment and exchange times; lone halves: every exchange but what their own compute "
-             "covers); 1F1B: its run's measured exposure; all: this run's exchanges all exposed; in order: the "
-             "pairs' measured segments in the order they ran",
-             f"{'schedule':<{width}}{'measured':>9}{'late':>7}{'slept':>7}{'floor':>7}{'1F1B':>7}{'all':>7}{'floor/1F1B':>11}"
-             f"{'meas/1F1B':>10}{'pairs: meas':>12}{'late':>7}{'in order':>9}{'floor':>7}{'lone: meas':>11}"
-             f"{'late':>7}{'floor':>7}"]
+             "late: of it, past the emulated time; slept: of that, in sleeps woken late; counts: in token-count "
+             "reads' collectives; the rest in token exchanges' collectives: a peer posting late); floor (each "
+             "pair's halves in the order that exposes least, from the run's own segment and exchange times; lone "
+             "halves: every exchange but what their own compute covers); 1F1B: its run's measured exposure; all: "
+             "this run's exchanges all exposed; in order: the pairs' measured segments in the order they ran",
+             f"{'schedule':<{width}}{'measured':>9}{'late':>7}{'slept':>7}{'counts':>7}{'floor':>7}{'1F1B':>7}"
+             f"{'all':>7}{'floor/1F1B':>11}{'meas/1F1B':>10}{'pairs: meas':>12}{'late':>7}{'in order':>9}"
+             f"{'floor':>7}{'lone: meas':>11}{'late':>7}{'floor':>7}"]
     for label, e in rows.items():
         share = (lambda v: f"{v / one_f_one_b:.2f}") if one_f_one_b else (lambda v: "-")
         reference = f"{one_f_one_b * 1e3:>7.0f}" if one_f_one_b is not None else f"{'-':>7}"
         lines.append(f"{label:<{width}}{e['measured'] * 1e3:>9.0f}{e['late'] * 1e3:>7.0f}{e['overslept'] * 1e3:>7.0f}"
-                     f"{e['floor'] * 1e3:>7.0f}"
+                     f"{e['count_late'] * 1e3:>7.0f}{e['floor'] * 1e3:>7.0f}"
                      f"{reference}{e['serial'] * 1e3:>7.0f}{share(e['floor']):>11}{share(e['measured']):>10}"
                      f"{e['pairs_measured'] * 1e3:>12.0f}{e['pairs_late'] * 1e3:>7.0f}"
                      f"{e['pairs_in_order'] * 1e3:>9.0f}{e['pairs_floor'] * 1e3:>7.0f}"

@@ -35,6 +35,7 @@ class HalfTrace:
         self.waits: list[tuple[float, float]] = []  # measured: blocked waiting for exchanges
         self.late = 0.0  # of those waits, past the exchanges' own (emulated) arrival
         self.overslept = 0.0  # of that, in a sleep that began in time (the emulator woken late)
+        self.count_late = 0.0  # of that, in token-count reads' collectives (a peer posting its counts late)
         self._compute = 0.0  # of the open segment, up to _since
         self._since: float | None = None  # computing since (None: stopped or blocked)
         self._begun: int | None = None  # when the open segment began
@@ -65,10 +66,12 @@ class HalfTrace:
         if self._pending is not None:
             self._pending[3] = True
 
-    def waited(self, start: float, end: float, late: float = 0.0, overslept: float = 0.0) -> None:
+    def waited(self, start: float, end: float, late: float = 0.0, overslept: float = 0.0,
+               count_late: float = 0.0) -> None:
         self.waits.append((start, end))
         self.late += late
         self.overslept += overslept
+        self.count_late += count_late
         if self._pending is None:  # a wait for nothing posted here: off the compute, no segment cut
             self.stop(start)
             self._since = end
@@ -101,7 +104,7 @@ class PairTrace:
     (the half of each segment), the measured waits of each half, and when the pair ran;
     ``late``: seconds of the waits past the exchanges' own arrival (a peer posting late, a sleep
     woken late), which the floor's model does not see, ``overslept`` the part of it in sleeps woken
-    late; ``kind``: what the runtime filed it under
+    late, ``count_late`` the part in token-count reads' collectives; ``kind``: what the runtime filed it under
     (a relayed pair's stages), None where it filed it under nothing; ``offers``: each half's
     hand-overs (whether or not the partner ran), which a relay's plan counts (None: not recorded)."""
 
@@ -114,6 +117,7 @@ class PairTrace:
     kind: tuple[int, ...] | None = None
     offers: tuple[int, ...] | None = None
     overslept: float = 0.0
+    count_late: float = 0.0
 
     @property
     def waited_s(self) -> float:
@@ -123,14 +127,16 @@ class PairTrace:
         return {"halves": [[_segment_json(s) for s in half] for half in self.halves], "order": list(self.order),
                 "waits": [[list(w) for w in half] for half in self.waits], "start": self.start, "end": self.end,
                 "late": self.late, "kind": None if self.kind is None else list(self.kind),
-                "offers": None if self.offers is None else list(self.offers), "overslept": self.overslept}
+                "offers": None if self.offers is None else list(self.offers), "overslept": self.overslept,
+                "count_late": self.count_late}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PairTrace:
         return cls(tuple(tuple(_segment_from(s) for s in half) for half in data["halves"]), tuple(data["order"]),
                    tuple(tuple((a, b) for a, b in half) for half in data["waits"]), data["start"], data["end"],
                    data["late"], None if data.get("kind") is None else tuple(data["kind"]),
-                   None if data.get("offers") is None else tuple(data["offers"]), data.get("overslept", 0.0))
+                   None if data.get("offers") is None else tuple(data["offers"]), data.get("overslept", 0.0),
+                   data.get("count_late", 0.0))
 
 
 @dataclass
@@ -142,16 +148,18 @@ class StepTrace:
     lone_waits: tuple[tuple[float, float], ...] = ()
     lone_late: float = 0.0
     lone_overslept: float = 0.0
+    lone_count_late: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"pairs": [p.to_json() for p in self.pairs], "lone": [_segment_json(s) for s in self.lone],
                 "lone_waits": [list(w) for w in self.lone_waits], "lone_late": self.lone_late,
-                "lone_overslept": self.lone_overslept}
+                "lone_overslept": self.lone_overslept, "lone_count_late": self.lone_count_late}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepTrace:
         return cls([PairTrace.from_json(p) for p in data["pairs"]], tuple(_segment_from(s) for s in data["lone"]),
-                   tuple((a, b) for a, b in data["lone_waits"]), data["lone_late"], data.get("lone_overslept", 0.0))
+                   tuple((a, b) for a, b in data["lone_waits"]), data["lone_late"], data.get("lone_overslept", 0.0),
+                   data.get("lone_count_late", 0.0))
 
 
 def _segment_json(segment: Segment) -> list:
@@ -220,7 +228,7 @@ class ExposureRecorder:
         self._pairs.append(PairTrace(tuple(tuple(h.segments) for h in halves), tuple(h for _, h in ran),
                                      tuple(tuple(h.waits) for h in halves), self._pair_start, now,
                                      sum(h.late for h in halves), self._kind, tuple(h.offers for h in halves),
-                                     sum(h.overslept for h in halves)))
+                                     sum(h.overslept for h in halves), sum(h.count_late for h in halves)))
         self._pair, self._current = None, self._lone
         self._lone.run(now)
 
@@ -231,11 +239,13 @@ class ExposureRecorder:
     def switch(self) -> None:
         self._current.switch()
 
-    def waited(self, start: float, end: float, late: float = 0.0, overslept: float = 0.0) -> None:
+    def waited(self, start: float, end: float, late: float = 0.0, overslept: float = 0.0,
+               count_late: float = 0.0) -> None:
         """A wait for an exchange from ``start`` to ``end`` (marks of :attr:`now`); ``late``: seconds
         of it past the exchange's own arrival (the emulated time), which the floor does not model;
-        ``overslept``: of those, the seconds a sleep that began in time ran past it."""
-        self._current.waited(start, end, late, overslept)
+        of those, ``overslept``: a sleep that began in time ran past the arrival, ``count_late``: a
+        token-count read's collective returned after it."""
+        self._current.waited(start, end, late, overslept, count_late)
 
     def closed_pairs(self) -> int:
         """How many pairs closed since the last :meth:`take`: a mark for :meth:`pairs_since`."""
@@ -249,7 +259,7 @@ class ExposureRecorder:
         """The step recorded since the last call (its pairs closed by now); the next starts."""
         lone = self._lone
         exchanges = tuple(s for s in lone.segments if s.exchange is not None)
-        step = StepTrace(self._pairs, exchanges, tuple(lone.waits), lone.late, lone.overslept)
+        step = StepTrace(self._pairs, exchanges, tuple(lone.waits), lone.late, lone.overslept, lone.count_late)
         self._pairs = []
         fresh = HalfTrace()
         if self._pair is None:
@@ -323,8 +333,9 @@ class DeferredRecorder:
     def switch(self) -> None:
         self._log.append(("switch", (), ()))
 
-    def waited(self, start: Any, end: Any, late: float = 0.0, overslept: float = 0.0) -> None:
-        self._log.append(("waited", (late, overslept), (start, end)))
+    def waited(self, start: Any, end: Any, late: float = 0.0, overslept: float = 0.0,
+               count_late: float = 0.0) -> None:
+        self._log.append(("waited", (late, overslept, count_late), (start, end)))
 
     def closed_pairs(self) -> int:
         self._replay()
@@ -403,22 +414,23 @@ def pair_exposure(pair: PairTrace, queue: str = "fifo") -> PairExposure:
                         floor(halves, queue).exposure if halves else 0.0, serial_exposure(halves))
 
 
-STEP_KEYS = ("measured", "late", "overslept", "floor", "serial", "pairs_measured", "pairs_late", "pairs_overslept",
-             "pairs_in_order", "pairs_floor", "pairs_serial", "lone_measured", "lone_late", "lone_overslept",
-             "lone_floor", "lone_serial")
+STEP_KEYS = ("measured", "late", "overslept", "count_late", "floor", "serial", "pairs_measured", "pairs_late",
+             "pairs_overslept", "pairs_count_late", "pairs_in_order", "pairs_floor", "pairs_serial", "lone_measured",
+             "lone_late", "lone_overslept", "lone_count_late", "lone_floor", "lone_serial")
 
 
 def step_exposure(step: StepTrace, queue: str = "fifo") -> dict[str, float]:
     """One step's exposure, seconds (:data:`STEP_KEYS`): in pairs (:class:`PairExposure` summed),
-    in lone halves (measured, late, overslept; floor: every exchange but its lead; serial) and in all."""
+    in lone halves (measured, late, overslept, count_late; floor: every exchange but its lead; serial) and in all."""
     pairs = [pair_exposure(p, queue) for p in step.pairs]
     out = {"pairs_measured": sum(p.measured for p in pairs), "pairs_late": sum(p.late for p in pairs),
            "pairs_overslept": sum(p.overslept for p in step.pairs),
+           "pairs_count_late": sum(p.count_late for p in step.pairs),
            "pairs_in_order": sum(p.in_order for p in pairs), "pairs_floor": sum(p.floor for p in pairs),
            "pairs_serial": sum(p.serial for p in pairs),
            "lone_measured": sum(end - start for start, end in step.lone_waits), "lone_late": step.lone_late,
-           "lone_overslept": step.lone_overslept,
+           "lone_overslept": step.lone_overslept, "lone_count_late": step.lone_count_late,
            "lone_floor": lone_exposure(step.lone), "lone_serial": serial_exposure([step.lone])}
-    for key in ("measured", "late", "overslept", "floor", "serial"):
+    for key in ("measured", "late", "overslept", "count_late", "floor", "serial"):
         out[key] = out[f"pairs_{key}"] + out[f"lone_{key}"]
     return {key: out[key] for key in STEP_KEYS}

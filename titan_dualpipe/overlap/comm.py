@@ -81,9 +81,10 @@ class CommStats:
         else:
             self.charged_forward += 1
 
-    def wait_until(self, ready_at: float, wait: Callable[[], T]) -> T:
+    def wait_until(self, ready_at: float, wait: Callable[[], T], count: bool = False) -> T:
         """``wait()``, then sleep until ``ready_at`` (``time.perf_counter`` seconds: an emulated
-        network's end); the time blocked counts as exposed."""
+        network's end); the time blocked counts as exposed. ``count``: the wait is a token-count
+        read (a benchmark's recorder files its lateness apart)."""
         record = recorder()
         device_marks = record is not None and not record.host_clock  # else the host's times are its marks
         marked = record.now() if device_marks else None
@@ -97,8 +98,9 @@ class CommStats:
         if record is not None:  # late: past the emulated arrival, either in the collective's own wait
             # (a peer posting late) or, once it came in time, in the sleep (woken late: overslept)
             span = (marked, record.now()) if device_marks else (start, end)
-            record.waited(*span, late=max(0.0, end - max(ready_at, start)),
-                          overslept=max(0.0, end - ready_at) if remaining > 0 else 0.0)
+            late = max(0.0, end - max(ready_at, start))
+            overslept = max(0.0, end - ready_at) if remaining > 0 else 0.0
+            record.waited(*span, late=late, overslept=overslept, count_late=late - overslept if count else 0.0)
         return result
 
     def collect(self) -> float:
@@ -429,7 +431,7 @@ def count_exchange(post: Callable[[], T], group: Any, read: Callable[[T], Any], 
         hand_over(ready_at=ready_at)
     if cost is None:
         return read(posted)
-    return cost.stats.wait_until(ready_at, lambda: read(posted))
+    return cost.stats.wait_until(ready_at, lambda: read(posted), count=True)
 
 
 def relayed_all_to_all_single(
