@@ -35,11 +35,12 @@ def twin_expert_counts() -> list[list[list[float]]]:
     return _every_rank([getattr(parts[p].moe, GEN.expert_count_buffer).tolist() for p in (0, 1)])
 
 
-def count_exchange_posts() -> list[dict[bool, list[str]]]:
+def count_exchange_posts() -> list[dict[str, dict[bool, list[str]]]]:
     """torchtitan's own token dispatch (0.2.2: ``ExpertParallel._token_dispatch``; 0.3.0:
-    ``AllToAllTokenDispatcher.dispatch``) as the forward half of a relayed pair on 2 EP ranks,
-    with its collectives logged in order next to the partner half's turns: once as our schedules
-    run it, once with the bench's comparison hand-over at the count exchange."""
+    ``AllToAllTokenDispatcher.dispatch``, under each SPMD backend that keeps its collectives
+    functional) as the forward half of a relayed pair on 2 EP ranks, with its collectives logged in
+    order next to the partner half's turns: once as our schedules run it, once with the bench's
+    comparison hand-over at the count exchange. By backend ("-" on 0.2.2), then hand-over."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,10 +73,8 @@ def count_exchange_posts() -> list[dict[bool, list[str]]]:
     def forward() -> None:
         with Collectives():
             if GEN.registry:
-                from torchtitan.distributed import utils as titan_utils
                 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-                titan_utils.set_spmd_backend("partial_dtensor")
                 dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=1))
                 dispatcher.wire_meshes(ep_mesh=mesh)
                 dispatcher.dispatch(x, torch.ones(tokens, 1), expert_ids, counts)
@@ -90,12 +89,19 @@ def count_exchange_posts() -> list[dict[bool, list[str]]]:
             log.append(f"B{turn}")
             hand_over()
 
-    posts = {}
-    for hand_over_counts in (False, True):
-        emulate_relayed_exchanges(0.0).count_hand_over = hand_over_counts
-        run_relayed(forward, backward)
-        posts[hand_over_counts] = log[:]
-        log.clear()
+    posts: dict[str, dict[bool, list[str]]] = {}
+    for backend in ("spmd_types", "partial_dtensor") if GEN.registry else ("-",):
+        if GEN.registry:  # spmd_types: 0.3.0's default, its expert-parallel group from the sparse mesh
+            from torchtitan.distributed import spmd_types, utils as titan_utils
+
+            titan_utils.set_spmd_backend(backend)
+            spmd_types.set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+        posts[backend] = {}
+        for hand_over_counts in (False, True):
+            emulate_relayed_exchanges(0.0).count_hand_over = hand_over_counts
+            run_relayed(forward, backward)
+            posts[backend][hand_over_counts] = log[:]
+            log.clear()
     emulate_relayed_exchanges(None)
     return _every_rank(posts)
 

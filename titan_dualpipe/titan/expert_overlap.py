@@ -109,17 +109,21 @@ def _token_combine_022(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _count_exchange_030(original: Callable[..., Any]) -> Callable[..., Any]:
     """0.3.0: ``AllToAllTokenDispatcher._token_count_exchange``, on the count communicator and read
-    at once (:func:`read_token_counts`); :func:`_sync_030` hands the read on. Under the
-    ``spmd_types`` backend it exchanges on the group it is given; otherwise on its expert-parallel
-    mesh, so on the count communicator it is the same functional all-to-all, given that group."""
+    at once (:func:`read_token_counts`); :func:`_sync_030` hands the read on. torchtitan's own
+    exchanges on its expert-parallel mesh with a functional all-to-all, or, under its default
+    ``spmd_types`` backend, with ``dist.all_to_all``, which on the CPU blocks until every peer has
+    posted (in the post, where neither the relay nor a benchmark sees a wait). Ours is the
+    functional all-to-all, the same rows in the same order, on the count communicator; torchtitan's
+    own only while ``spmd_types`` checks types (which its result carries)."""
     if getattr(original, "_titan_dualpipe", False):
         return original
+    import spmd_types
     from torch.distributed._functional_collectives import all_to_all_single
     from torchtitan.distributed.utils import get_spmd_backend
 
     def _token_count_exchange(self: Any, counts: torch.Tensor, pg: Any, ep_size: int) -> torch.Tensor:
         def post_on(group: Any) -> torch.Tensor:
-            if group is pg or get_spmd_backend() == "spmd_types":
+            if get_spmd_backend() == "spmd_types" and spmd_types.is_type_checking():
                 return original(self, counts, group, ep_size)
             return all_to_all_single(counts.view(ep_size, -1), None, None, group=group)
 
