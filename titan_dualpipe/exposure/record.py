@@ -104,9 +104,10 @@ class PairTrace:
     (the half of each segment), the measured waits of each half, and when the pair ran;
     ``late``: seconds of the waits past the exchanges' own arrival (a peer posting late, a sleep
     woken late), which the floor's model does not see, ``overslept`` the part of it in sleeps woken
-    late, ``count_late`` the part in token-count reads' collectives; ``kind``: what the runtime filed it under
-    (a relayed pair's stages), None where it filed it under nothing; ``offers``: each half's
-    hand-overs (whether or not the partner ran), which a relay's plan counts (None: not recorded)."""
+    late, ``count_late`` the part in token-count reads' collectives; ``kind``: what the runtime
+    filed it under (a relayed pair's stages), None where it filed it under nothing; ``offers``:
+    each half's hand-overs (whether or not the partner ran), which a relay's plan counts (None:
+    not recorded)."""
 
     halves: tuple[tuple[Segment, ...], ...]
     order: tuple[int, ...]
@@ -421,7 +422,8 @@ STEP_KEYS = ("measured", "late", "overslept", "count_late", "floor", "serial", "
 
 def step_exposure(step: StepTrace, queue: str = "fifo") -> dict[str, float]:
     """One step's exposure, seconds (:data:`STEP_KEYS`): in pairs (:class:`PairExposure` summed),
-    in lone halves (measured, late, overslept, count_late; floor: every exchange but its lead; serial) and in all."""
+    in lone halves (measured, late, overslept, count_late; floor: every exchange but its lead;
+    serial) and in all."""
     pairs = [pair_exposure(p, queue) for p in step.pairs]
     out = {"pairs_measured": sum(p.measured for p in pairs), "pairs_late": sum(p.late for p in pairs),
            "pairs_overslept": sum(p.overslept for p in step.pairs),
